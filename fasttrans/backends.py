@@ -1,0 +1,519 @@
+"""Backend registry: which implementation runs an op, and its torch.library registration.
+
+Three backends implement the same *backend interface* (below): ``triton`` (kernels/*.py),
+``extension`` (csrc/, JIT-built by fasttrans.extension) and ``reference`` (pure PyTorch).
+Each backend's ops are registered under the ``fasttrans::`` namespace as
+
+    fasttrans::attention_fwd_<backend>   fasttrans::attention_bwd_<backend>
+    fasttrans::norm_fwd_<backend>        fasttrans::norm_bwd_<backend>
+
+with a fake (meta) implementation and autograd, so ``torch.compile(fullgraph=True)`` traces
+through them and ``torch.library.opcheck`` can test them. Python backends are defined here
+with ``torch.library.custom_op``; the extension defines the same schemas in C++
+(``TORCH_LIBRARY(fasttrans, m)``) and this module adds the fake and autograd parts.
+
+Backend interface (inputs are already validated by fasttrans.functional)
+-----------------------------------------------------------------------
+attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+    -> (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32 [fp64 for fp64 inputs])
+    q (B, H, Lq, D), k/v (B, Hkv, Lk, D), each with stride(-1) == 1 (other strides arbitrary).
+    attn_mask: None, or (B, H, Lq, Lk) bool (True = may attend) or float (q.dtype or fp32,
+    added to the scaled scores); broadcast dims have stride 0 and must be read as such.
+    key_lengths: None or int32 (B,) on q.device with values in [0, Lk].
+    Rows with no allowed key: out = 0, lse = +inf.
+    Dropout (dropout_p > 0): keep(b, h, i, j) is a pure function of (seed, b, h, i, j);
+    probabilities are multiplied by keep / (1 - dropout_p) after the softmax.
+attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+              dropout_p, scale, seed, mask_grad) -> (dq, dk, dv, dmask or None)
+    dout contiguous. dk/dv have k/v's shape (summed over the query heads of a kv group).
+    dmask (B, H, Lq, Lk) in fp32 [fp64 for fp64 inputs] when mask_grad (the gradient w.r.t.
+    a float attn_mask).
+attention_dropout_mask(q, k, dropout_p, seed) -> bool (B, H, Lq, Lk) keep-mask
+    The exact mask attention_fwd uses for that seed: the debug hook the tests feed to
+    fasttrans.reference.
+norm_fwd(x, residual, weight, bias, eps, rms) -> (y, h or None, mean or None, rstd)
+    x, residual (M, N) with stride(-1) == 1; weight/bias (N,) in x.dtype or fp32, or None.
+    h = x + residual (None when residual is None); y = LayerNorm(h) (RMSNorm when rms,
+    then mean is None); mean/rstd (M,) fp32 [fp64 for fp64 inputs].
+norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms) -> (dx, dweight or None, dbias or None)
+    h is x + residual (or x); dy, dh contiguous; dh None or the gradient flowing into h,
+    added to dx. dx is also the gradient w.r.t. residual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import os
+import warnings
+from typing import Callable, Iterator
+
+import torch
+from torch.library import custom_op, register_autograd, register_fake
+
+from . import reference
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "Backend",
+    "available_backends",
+    "get_backend",
+    "select_backend",
+    "use_backend",
+    "current_forced_backend",
+]
+
+BACKEND_NAMES = ("triton", "extension", "reference")
+OPS = ("attention", "norm")
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend that was asked for explicitly cannot run the op; the message says why."""
+
+
+# --------------------------------------------------------------------------------------
+# The reference backend's implementation of the backend interface
+# --------------------------------------------------------------------------------------
+class _ReferenceImpl:
+    """Backend interface on top of fasttrans.reference; gradients by autograd on recompute."""
+
+    @staticmethod
+    def attention_dropout_mask(q, k, dropout_p, seed):
+        B, H, Lq, _ = q.shape
+        Lk = k.shape[2]
+        g = torch.Generator(device=q.device).manual_seed(int(seed))
+        return torch.rand(B, H, Lq, Lk, generator=g, device=q.device) >= dropout_p
+
+    @classmethod
+    def _keep(cls, q, k, dropout_p, seed):
+        return cls.attention_dropout_mask(q, k, dropout_p, seed) if dropout_p > 0 else None
+
+    @classmethod
+    def attention_fwd(cls, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+        return reference.attention_with_lse(
+            q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
+            causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
+            dropout_mask=cls._keep(q, k, dropout_p, seed),
+        )
+
+    @classmethod
+    def attention_bwd(cls, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+                      dropout_p, scale, seed, mask_grad):
+        # Explicit formulas (custom-op bodies run below autograd, so no autograd here):
+        #   P = softmax(S), Pd = P * keep / (1 - p), O = Pd V
+        #   dV = Pd^T dO      dPd = dO V^T      dP = dPd * keep / (1 - p)
+        #   dS = P * (dP - rowsum(dO * O))      dQ = scale dS K      dK = scale dS^T Q
+        # and dS is also the gradient of an additive float mask.
+        B, H, Lq, D = q.shape
+        group = H // k.shape[1]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        p = reference.attention_probs(
+            q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
+            causal_offset=causal_offset, scale=scale,
+        ).to(acc)  # (B, H, Lq, Lk)
+        keep = cls._keep(q, k, dropout_p, seed)
+        drop = keep.to(acc) / (1.0 - dropout_p) if keep is not None else None
+        pd = p * drop if drop is not None else p
+        kf = k.to(acc).repeat_interleave(group, dim=1)  # (B, H, Lk, D)
+        vf = v.to(acc).repeat_interleave(group, dim=1)
+        do = dout.to(acc)
+        dv = pd.transpose(-1, -2) @ do  # (B, H, Lk, D)
+        dp = do @ vf.transpose(-1, -2)  # (B, H, Lq, Lk)
+        if drop is not None:
+            dp = dp * drop
+        delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, Lq, 1)
+        ds = p * (dp - delta)
+        dq = scale * ds @ kf
+        dk = scale * ds.transpose(-1, -2) @ q.to(acc)
+
+        def per_kv_head(t):  # (B, H, Lk, D) -> (B, Hkv, Lk, D): sum over the query heads of a group
+            return t.view(B, H // group, group, *t.shape[2:]).sum(2)
+
+        dmask = ds if mask_grad else None  # fp32 (fp64 for fp64 inputs)
+        return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype), dmask
+
+    @staticmethod
+    def norm_fwd(x, residual, weight, bias, eps, rms):
+        h = x + residual if residual is not None else x
+        hf = h.to(torch.float64 if h.dtype == torch.float64 else torch.float32)
+        if rms:
+            mean = None
+            rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+            y = reference.rms_norm(h, (h.shape[-1],), weight, eps)
+        else:
+            mean = hf.mean(-1)
+            rstd = torch.rsqrt((hf - mean[:, None]).pow(2).mean(-1) + eps)
+            y = reference.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+        return y, (h if residual is not None else None), mean, rstd
+
+    @staticmethod
+    def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
+        # d/dh of y = xhat * w + b with xhat = (h - mean) * rstd (mean = 0 for RMSNorm):
+        #   dxhat = dy * w
+        #   dh    = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   [LayerNorm]
+        #   dh    = rstd * (dxhat - xhat * mean(dxhat * xhat))                 [RMSNorm]
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        hf, dyf = h.to(acc), dy.to(acc)
+        xhat = (hf if rms else hf - mean[:, None]) * rstd[:, None]
+        dxhat = dyf * weight.to(acc) if weight is not None else dyf
+        proj = (dxhat * xhat).mean(-1, keepdim=True)
+        centred = dxhat if rms else dxhat - dxhat.mean(-1, keepdim=True)
+        dx = rstd[:, None] * (centred - xhat * proj)
+        if dh is not None:
+            dx = dx + dh.to(acc)
+        dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else None
+        db = dyf.sum(0).to(bias.dtype) if bias is not None else None
+        return dx.to(h.dtype), dw, db
+
+
+# --------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Backend:
+    """One backend: how to find its implementation and whether it can run on a device."""
+
+    name: str
+    _load: Callable[[], object]  # returns the object implementing the backend interface
+    _check: Callable[[torch.device], str | None]  # None when usable on the device, else why not
+    _impl: object | None = None
+    _load_error: str | None = None
+
+    def impl(self):
+        """The implementation object; raises BackendUnavailableError if it cannot be loaded."""
+        if self._impl is None and self._load_error is None:
+            try:
+                self._impl = self._load()
+            except Exception as e:  # import or build failure: remember why
+                self._load_error = f"{type(e).__name__}: {e}"
+        if self._impl is None:
+            raise BackendUnavailableError(f"backend '{self.name}' could not be loaded: {self._load_error}")
+        return self._impl
+
+    def unavailable_reason(self, device: torch.device | str, op: str | None = None) -> str | None:
+        """None when this backend can run ``op`` (or every op) on ``device``, else the reason."""
+        device = torch.device(device)
+        why = self._check(device)
+        if why is not None:
+            return why
+        try:
+            impl = self.impl()
+        except BackendUnavailableError as e:
+            return str(e)
+        # an implementation may know more (a module that failed to import, a CPU-only build)
+        check = getattr(impl, "unavailable_reason", None)
+        why = check(device, op) if check is not None else None
+        if why is not None:
+            return why
+        for name in (op,) if op else OPS:
+            if not hasattr(impl, f"{name}_fwd"):
+                return f"backend '{self.name}' does not implement {name}"
+        return None
+
+    def is_available(self, device: torch.device | str, op: str | None = None) -> bool:
+        return self.unavailable_reason(device, op) is None
+
+
+def _triton_check(device: torch.device) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return "Triton runs on CPU only through its interpreter (set TRITON_INTERPRET=1 before importing triton)"
+    return f"Triton does not support device type '{device.type}'"
+
+
+def _load_triton():
+    return _TritonImpl()
+
+
+class _TritonImpl:
+    """Backend interface from kernels/attention.py and kernels/layernorm.py.
+
+    Each kernel module is imported on its own: one that fails to import makes only its op
+    unavailable, and the reason is kept for ``python -m fasttrans info``.
+    """
+
+    def __init__(self):
+        self.errors: dict[str, str] = {}
+        for module, names in (
+            ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask")),
+            ("layernorm", ("norm_fwd", "norm_bwd")),
+        ):
+            try:
+                mod = importlib.import_module(f"fasttrans.kernels.{module}")
+                for n in names:
+                    setattr(self, n, getattr(mod, n))
+            except Exception as e:
+                self.errors[module] = f"{type(e).__name__}: {e}"
+
+    def unavailable_reason(self, device: torch.device, op: str | None) -> str | None:
+        module = {"attention": "attention", "norm": "layernorm"}
+        for name in (op,) if op else OPS:
+            if module[name] in self.errors:
+                return f"kernels/{module[name]}.py failed to import: {self.errors[module[name]]}"
+        return None
+
+
+def _extension_check(device: torch.device) -> str | None:
+    if device.type not in ("cpu", "cuda"):
+        return f"the extension does not support device type '{device.type}'"
+    return None
+
+
+def _load_extension():
+    ext = importlib.import_module("fasttrans.extension")
+    return ext.load()
+
+
+BACKENDS: dict[str, Backend] = {
+    "triton": Backend("triton", _load_triton, _triton_check),
+    "extension": Backend("extension", _load_extension, _extension_check),
+    "reference": Backend("reference", lambda: _ReferenceImpl(), lambda device: None),
+}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
+    return BACKENDS[name]
+
+
+def available_backends(device: torch.device | str = "cpu", op: str | None = None) -> list[str]:
+    """Names of the backends that can run ``op`` (or every op) on ``device``."""
+    return [n for n, b in BACKENDS.items() if b.is_available(device, op)]
+
+
+# --------------------------------------------------------------------------------------
+# Selection
+# --------------------------------------------------------------------------------------
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fasttrans_backend", default=None)
+_warned: set[tuple[str, str]] = set()
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force every fasttrans op inside the block to run on backend ``name``.
+
+    ``None`` restores automatic selection. A forced backend that cannot run an op raises
+    BackendUnavailableError saying why; it never falls back silently.
+    """
+    if name is not None:
+        get_backend(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def current_forced_backend() -> str | None:
+    """The backend forced by use_backend(...) or FASTTRANS_BACKEND, or None for automatic."""
+    name = _forced.get()
+    if name is None:
+        name = os.environ.get("FASTTRANS_BACKEND") or None
+        if name is not None and name not in BACKENDS:
+            raise ValueError(f"FASTTRANS_BACKEND={name!r}: expected one of {', '.join(BACKEND_NAMES)}")
+    return name
+
+
+def _preference(device: torch.device) -> tuple[str, ...]:
+    if device.type == "cuda":
+        return ("triton", "extension", "reference")
+    if device.type == "cpu":
+        # Triton on CPU is the interpreter: a correctness tool, never chosen automatically.
+        return ("extension", "reference")
+    return ("reference",)
+
+
+def select_backend(op: str, device: torch.device | str) -> Backend:
+    """The backend that runs ``op`` on ``device``: the forced one, or the best available."""
+    device = torch.device(device)
+    forced = current_forced_backend()
+    if forced is not None:
+        backend = BACKENDS[forced]
+        why = backend.unavailable_reason(device, op)
+        if why is not None:
+            raise BackendUnavailableError(f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
+        return backend
+    preference = _preference(device)
+    for name in preference:
+        backend = BACKENDS[name]
+        why = backend.unavailable_reason(device, op)
+        if why is None:
+            return backend
+        if name != "reference" and (name, why) not in _warned:
+            _warned.add((name, why))
+            warnings.warn(
+                f"fasttrans: {op} on {device} is not using the '{name}' backend: {why}; falling back",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    raise BackendUnavailableError(f"no backend can run {op} on {device}")  # unreachable: reference runs anywhere
+
+
+# --------------------------------------------------------------------------------------
+# torch.library registration: one set of ops per backend
+# --------------------------------------------------------------------------------------
+def _stats_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _none_to_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _empty_to_none(t: torch.Tensor) -> torch.Tensor | None:
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+def _make_python_ops(name: str):
+    """Define fasttrans::{attention,norm}_{fwd,bwd}_<name> with torch.library.custom_op."""
+    backend = BACKENDS[name]
+
+    @custom_op(f"fasttrans::attention_fwd_{name}", mutates_args=())
+    def attention_fwd(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+        key_lengths: torch.Tensor | None, is_causal: bool, causal_offset: int, dropout_p: float,
+        scale: float, seed: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = backend.impl().attention_fwd(
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed
+        )
+        return out, lse
+
+    @custom_op(f"fasttrans::attention_bwd_{name}", mutates_args=())
+    def attention_bwd(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, attn_mask: torch.Tensor | None, key_lengths: torch.Tensor | None,
+        is_causal: bool, causal_offset: int, dropout_p: float, scale: float, seed: int, mask_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv, dmask = backend.impl().attention_bwd(
+            dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+            dropout_p, scale, seed, mask_grad,
+        )
+        return dq, dk, dv, _none_to_empty(dmask, q.new_empty(0, dtype=torch.float32))
+
+    @custom_op(f"fasttrans::norm_fwd_{name}", mutates_args=())
+    def norm_fwd(
+        x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+        bias: torch.Tensor | None, eps: float, rms: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, h, mean, rstd = backend.impl().norm_fwd(x, residual, weight, bias, eps, rms)
+        stats = x.new_empty(0, dtype=_stats_dtype(x))
+        return y, _none_to_empty(h, x), _none_to_empty(mean, stats), rstd
+
+    @custom_op(f"fasttrans::norm_bwd_{name}", mutates_args=())
+    def norm_bwd(
+        dy: torch.Tensor, dh: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor | None,
+        bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, rms: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dx, dw, db = backend.impl().norm_bwd(dy, dh, h, weight, bias, _empty_to_none(mean), rstd, rms)
+        return dx, _none_to_empty(dw, h), _none_to_empty(db, h)
+
+
+def _register_fake_and_autograd(name: str) -> None:
+    """Fake implementations and autograd formulas for one backend's four ops."""
+    ns = torch.ops.fasttrans
+
+    @register_fake(f"fasttrans::attention_fwd_{name}")
+    def _(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+        B, H, Lq, D = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+            (B, H, Lq), dtype=_stats_dtype(q)
+        )
+
+    @register_fake(f"fasttrans::attention_bwd_{name}")
+    def _(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+          mask_grad):
+        B, H, Lq, _ = q.shape
+        dmask = q.new_empty((B, H, Lq, k.shape[2]) if mask_grad else (0,), dtype=_stats_dtype(q))
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                torch.empty_like(k, memory_format=torch.contiguous_format),
+                torch.empty_like(v, memory_format=torch.contiguous_format), dmask)
+
+    @register_fake(f"fasttrans::norm_fwd_{name}")
+    def _(x, residual, weight, bias, eps, rms):
+        M = x.shape[0]
+        stats = _stats_dtype(x)
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x.new_empty(0),
+                x.new_empty((M,) if not rms else (0,), dtype=stats),
+                x.new_empty((M,), dtype=stats))
+
+    @register_fake(f"fasttrans::norm_bwd_{name}")
+    def _(dy, dh, h, weight, bias, mean, rstd, rms):
+        return (torch.empty_like(h, memory_format=torch.contiguous_format),
+                torch.empty_like(weight) if weight is not None else h.new_empty(0),
+                torch.empty_like(bias) if bias is not None else h.new_empty(0))
+
+    attention_bwd_op = getattr(ns, f"attention_bwd_{name}")
+    norm_bwd_op = getattr(ns, f"norm_bwd_{name}")
+
+    def attention_setup(ctx, inputs, output):
+        q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
+        ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
+        ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
+
+    def attention_backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
+        is_causal, causal_offset, dropout_p, scale, seed = ctx.args
+        # gradients often arrive expanded (stride 0) or transposed: the kernels get a dense copy
+        dq, dk, dv, dmask = attention_bwd_op(
+            dout.contiguous(), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+            dropout_p, scale, seed, ctx.mask_grad,
+        )
+        dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
+        return dq, dk, dv, dmask, None, None, None, None, None, None
+
+    register_autograd(f"fasttrans::attention_fwd_{name}", attention_backward, setup_context=attention_setup)
+
+    def norm_setup(ctx, inputs, output):
+        x, residual, weight, bias, eps, rms = inputs
+        y, h, mean, rstd = output
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
+        ctx.rms = rms
+
+    def norm_backward(ctx, dy, dh, dmean, drstd):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dh = dh.contiguous() if (ctx.has_residual and dh is not None and dh.numel()) else None
+        dx, dw, db = norm_bwd_op(dy.contiguous(), dh, h, weight, bias, mean, rstd, ctx.rms)
+        dw = dw if weight is not None else None
+        db = db if bias is not None else None
+        return dx, (dx if ctx.has_residual else None), dw, db, None, None
+
+    register_autograd(f"fasttrans::norm_fwd_{name}", norm_backward, setup_context=norm_setup)
+
+
+_registered: set[str] = set()
+
+
+def ops_for(name: str):
+    """The torch.ops handles (attention_fwd, attention_bwd, norm_fwd, norm_bwd) of a backend.
+
+    Registers them on first use. The extension's ops come from its C++ library (loaded by
+    BACKENDS['extension'].impl()); Python backends are defined here.
+    """
+    if name not in _registered:
+        if name == "extension":
+            BACKENDS[name].impl()  # loads the compiled library that defines the schemas
+        else:
+            _make_python_ops(name)
+        _register_fake_and_autograd(name)
+        _registered.add(name)
+    ns = torch.ops.fasttrans
+    return (getattr(ns, f"attention_fwd_{name}"), getattr(ns, f"attention_bwd_{name}"),
+            getattr(ns, f"norm_fwd_{name}"), getattr(ns, f"norm_bwd_{name}"))

@@ -1,0 +1,343 @@
+"""The public ops: validate once, classify masks, pick a backend, call its torch.library op.
+
+Every check on user input lives here; backends and kernels assume valid inputs. Errors
+name the argument and what was expected. Shape/value errors are ``ShapeError`` (a
+ValueError that is also a RuntimeError, the type torch raises for the same mistakes) and
+dtype errors ``DTypeError`` (a TypeError that is also a RuntimeError).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from . import backends, reference
+
+__all__ = [
+    "attention",
+    "attention_dropout_mask",
+    "attention_weights",
+    "layer_norm",
+    "add_layer_norm",
+    "rms_norm",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+]
+
+
+class ShapeError(ValueError, RuntimeError):
+    """An argument has the wrong shape or value."""
+
+
+class DTypeError(TypeError, RuntimeError):
+    """An argument has the wrong dtype."""
+
+
+class DeviceError(ValueError, RuntimeError):
+    """Arguments live on different devices."""
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _check_tensor(name: str, t, ndim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ShapeError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise DTypeError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise DeviceError(f"{name}: expected a tensor on {device} (the device of the input), got {t.device}")
+
+
+def _last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    # kernels accept any strides as long as the innermost one is 1; anything else gets a copy here
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _ops(op: str, device: torch.device):
+    backend = backends.select_backend(op, device)
+    return backend.name, backends.ops_for(backend.name)
+
+
+def _draw_seed(dropout_p: float) -> int:
+    """A dropout seed drawn from torch's default CPU generator (so torch.manual_seed governs it)."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+# --------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------
+def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+        _check_float(name, t)
+    B, H, Lq, D = q.shape
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"k, v: expected the dtype of q ({q.dtype}), got k {k.dtype} and v {v.dtype}")
+    _check_device("k", k, q.device)
+    _check_device("v", v, q.device)
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ShapeError(f"k, v: expected batch size {B} (from q), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if tuple(v.shape) != tuple(k.shape):
+        raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
+    if B == 0:
+        raise ShapeError(f"q: expected a non-empty batch, got shape {tuple(q.shape)}")
+    if Lq == 0:
+        raise ShapeError(f"q: expected at least one query position, got shape {tuple(q.shape)}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ShapeError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if attn_mask is not None:
+        _check_tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise DTypeError(f"attn_mask: expected a bool or floating-point mask, got {attn_mask.dtype}")
+        _check_device("attn_mask", attn_mask, q.device)
+        target = (B, H, Lq, Lk)
+        shape = tuple(attn_mask.shape)
+        if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
+            raise ShapeError(f"attn_mask: expected a shape broadcastable to (B, H, Lq, Lk) = {target}, got {shape}")
+    if key_lengths is not None:
+        _check_tensor("key_lengths", key_lengths, 1)
+        if key_lengths.dtype.is_floating_point or key_lengths.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise DTypeError(f"key_lengths: expected an integer tensor, got {key_lengths.dtype}")
+        if key_lengths.shape[0] != B:
+            raise ShapeError(f"key_lengths: expected shape ({B},), got {tuple(key_lengths.shape)}")
+        if key_lengths.device.type != "cpu":
+            _check_device("key_lengths", key_lengths, q.device)
+        if not _is_compiling():
+            lo, hi = int(key_lengths.min()), int(key_lengths.max())
+            if lo < 0 or hi > Lk:
+                raise ShapeError(f"key_lengths: expected values in [0, {Lk}] (the key length), got [{lo}, {hi}]")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+    if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
+        raise TypeError(f"causal_offset: expected an int, got {type(causal_offset).__name__}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ShapeError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ShapeError(f"scale: expected a finite float or None, got {scale!r}")
+
+
+def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
+    """Canonical operands for the backend interface (see fasttrans.backends)."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    q, k, v = (_last_dim_unit_stride(t) for t in (q, k, v))
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in (q.dtype, torch.float32):
+            attn_mask = attn_mask.to(q.dtype)
+        # a view with stride 0 on broadcast dims: never materialised
+        attn_mask = attn_mask.expand(B, H, Lq, Lk)
+    if key_lengths is not None:
+        key_lengths = key_lengths.to(device=q.device, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return q, k, v, attn_mask, key_lengths, scale
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    key_lengths: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_offset: int = 0,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with every mask kind, fused where a kernel exists.
+
+    Args:
+        q: (B, H, Lq, D) queries.
+        k, v: (B, Hkv, Lk, D) keys and values; H must be a multiple of Hkv (grouped-query).
+        attn_mask: bool (True = may attend, as in F.scaled_dot_product_attention) or float
+            (added to the scores), broadcastable to (B, H, Lq, Lk).
+        key_lengths: (B,) integers; key positions >= key_lengths[b] are masked.
+        is_causal: query i attends keys j <= i + causal_offset.
+        causal_offset: diagonal offset; Lk - Lq gives bottom-right alignment (decoding).
+        dropout_p: dropout probability on the attention weights.
+        scale: score scale; default 1/sqrt(D).
+
+    Returns:
+        (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
+    """
+    _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+    q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    _, (fwd, _bwd, _nf, _nb) = _ops("attention", q.device)
+    out, _lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale,
+                    _draw_seed(dropout_p))
+    return out
+
+
+def attention_dropout_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Debug hook: the (B, H, Lq, Lk) keep-mask the next ``attention`` call would use.
+
+    Draws the dropout seed exactly as :func:`attention` does, so
+    ``torch.manual_seed(s); keep = attention_dropout_mask(q, k, p)`` followed by
+    ``torch.manual_seed(s); out = attention(q, k, v, dropout_p=p)`` gives the mask that
+    ``out`` was computed with, on the backend the call selects.
+    """
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    if not 0.0 < float(dropout_p) < 1.0:
+        raise ShapeError(f"dropout_p: expected a probability in (0, 1), got {dropout_p!r}")
+    name, _ = _ops("attention", q.device)
+    return backends.get_backend(name).impl().attention_dropout_mask(q, k, float(dropout_p), _draw_seed(dropout_p))
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    key_lengths: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_offset: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The (B, H, Lq, Lk) softmax weights, materialised, for callers that ask for them.
+
+    This is the unfused path (``need_weights=True`` in MultiheadAttention): it allocates the
+    full score matrix. Fully masked rows are 0. Differentiable through autograd.
+    """
+    v = k[..., :1]
+    _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale)
+    q, k, _, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    return reference.attention_probs(
+        q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
+        causal_offset=causal_offset, scale=scale,
+    ).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# norms
+# --------------------------------------------------------------------------------------
+def _normalized_shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    if isinstance(normalized_shape, torch.Size) or isinstance(normalized_shape, Sequence):
+        return tuple(int(s) for s in normalized_shape)
+    raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
+
+
+def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
+    _check_tensor("x", x)
+    _check_float("x", x)
+    shape = _normalized_shape(normalized_shape)
+    if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
+        raise ShapeError(
+            f"normalized_shape: expected the trailing dims of x, got {shape} for x of shape {tuple(x.shape)}"
+        )
+    if x.numel() == 0:
+        raise ShapeError(f"x: expected a non-empty tensor, got shape {tuple(x.shape)}")
+    if residual is not None:
+        _check_tensor("residual", residual)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ShapeError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise DTypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+        _check_device("residual", residual, x.device)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        _check_tensor(name, p)
+        _check_float(name, p)
+        if tuple(p.shape) != shape:
+            raise ShapeError(f"{name}: expected shape {shape} (normalized_shape), got {tuple(p.shape)}")
+        _check_device(name, p, x.device)
+    if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps)):
+        raise ShapeError(f"eps: expected a finite non-negative float, got {eps!r}")
+    return shape
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(M, N) view of t (a copy only when the trailing dims cannot be flattened)."""
+    return _last_dim_unit_stride(t.reshape(-1, n))
+
+
+def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    if p is None:
+        return None
+    p = p.reshape(-1)
+    return p if p.dtype in (x.dtype, torch.float32) else p.to(x.dtype)
+
+
+def _norm(x, residual, weight, bias, eps, rms, n):
+    _, (_af, _ab, fwd, _nb) = _ops("norm", x.device)
+    y, h, _mean, _rstd = fwd(
+        _rows(x, n), None if residual is None else _rows(residual, n),
+        _param(weight, x), _param(bias, x), float(eps), rms,
+    )
+    return y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
+    shape = _validate_norm(x, normalized_shape, weight, bias, eps)
+    return _norm(x, None, weight, bias, eps, False, math.prod(shape))[0]
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual and y = LayerNorm(h) over the last dim, in one pass. Returns (y, h).
+
+    Post-norm (Add & Norm) blocks use y; pre-norm blocks keep h as the residual stream.
+    """
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual: expected a torch.Tensor, got {type(residual).__name__}")
+    _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ShapeError("x: expected at least one dimension, got a scalar")
+    shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
+    return _norm(x, residual, weight, bias, eps, False, shape[0])
+
+
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Same as ``torch.nn.functional.rms_norm`` (eps=None means torch.finfo(x.dtype).eps)."""
+    shape = _validate_norm(x, normalized_shape, weight, None, eps)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]

@@ -1,0 +1,49 @@
+"""Backend/device fixtures and the Triton interpreter switch.
+
+Without a GPU, Triton kernels run through Triton's interpreter, which must be switched on
+before triton is first imported: hence the environment variable is set here, at collection.
+Tests marked ``gpu`` run only with ``pytest -m gpu`` (the default run deselects them).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fasttrans import backends  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (run with pytest -m gpu)")
+    config.addinivalue_line("markers", "slow: long-running (still part of the default run)")
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+def backend_params(op: str, device: str = DEVICE):
+    """pytest params for every backend that can run ``op`` on ``device``.
+
+    A backend that cannot run is reported as a skip *with its reason* (never silently
+    dropped), so a broken build shows up in the summary.
+    """
+    params = []
+    for name, backend in backends.BACKENDS.items():
+        why = backend.unavailable_reason(device, op)
+        marks = [pytest.mark.skip(reason=f"{name}: {why}")] if why else []
+        params.append(pytest.param(name, id=name, marks=marks))
+    return params
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
