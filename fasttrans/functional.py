@@ -70,9 +70,16 @@ def _last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+@torch.compiler.assume_constant_result
+def _selected_backend(op: str, device: str) -> str:
+    # Selection reads a context variable, the environment and the file system: under
+    # torch.compile it runs once at trace time and its result is baked into the graph.
+    return backends.select_backend(op, device).name
+
+
 def _ops(op: str, device: torch.device):
-    backend = backends.select_backend(op, device)
-    return backend.name, backends.ops_for(backend.name)
+    name = _selected_backend(op, str(device))
+    return name, backends.ops_for(name)
 
 
 def _draw_seed(dropout_p: float) -> int:
@@ -227,7 +234,7 @@ def attention_weights(
     This is the unfused path (``need_weights=True`` in MultiheadAttention): it allocates the
     full score matrix. Fully masked rows are 0. Differentiable through autograd.
     """
-    v = k[..., :1]
+    v = k  # only k's shape matters here
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale)
     q, k, _, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     return reference.attention_probs(
@@ -240,10 +247,11 @@ def attention_weights(
 # norms
 # --------------------------------------------------------------------------------------
 def _normalized_shape(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, int):
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
         return (normalized_shape,)
-    if isinstance(normalized_shape, torch.Size) or isinstance(normalized_shape, Sequence):
-        return tuple(int(s) for s in normalized_shape)
+    if isinstance(normalized_shape, Sequence) and not isinstance(normalized_shape, str):
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in normalized_shape):
+            return tuple(normalized_shape)
     raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
 
 

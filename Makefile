@@ -1,0 +1,57 @@
+# Set-up and entry points. Each target creates .venv when missing and installs what it needs.
+#
+# torch: a machine that already has torch keeps it (the venv sees the system packages);
+# otherwise torch==2.13.0 is installed explicitly, which on CPU machines resolves to the
+# local CPU build. The package itself is installed with --no-build-isolation so pip never
+# builds in an isolated environment (where a torch requirement would pull a CUDA build).
+
+PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.fasttrans-installed
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu bench bench-quick compile-check info clean
+
+$(STAMP): setup.py
+	@if [ ! -x $(PYTHON) ]; then \
+		if $(PY) -c "import torch" >/dev/null 2>&1; then \
+			echo "using the torch already installed for $(PY)"; \
+			$(PY) -m venv --system-site-packages $(VENV); \
+		else \
+			$(PY) -m venv $(VENV); \
+		fi; \
+	fi
+	$(PYTHON) -m pip install --quiet "setuptools>=70" wheel
+	$(PYTHON) -c "import torch" >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install --quiet --no-build-isolation -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) -m fasttrans demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(PYTHON) -m pytest tests -m gpu $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/bench_layernorm.py
+	$(PYTHON) benchmarks/bench_model.py
+
+bench-quick: $(STAMP)
+	$(PYTHON) benchmarks/bench_attention.py --quick
+	$(PYTHON) benchmarks/bench_layernorm.py --quick
+	$(PYTHON) benchmarks/bench_model.py --quick
+
+compile-check: $(STAMP)
+	$(PYTHON) -m fasttrans compile-check
+
+info: $(STAMP)
+	$(PYTHON) -m fasttrans info
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache

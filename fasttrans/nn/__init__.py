@@ -1,0 +1,25 @@
+"""Drop-in replacements for torch.nn's Transformer modules, plus the seed building blocks."""
+
+from .attention import MultiheadAttention
+from .normalization import LayerNorm, RMSNorm
+from .transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
+from .embedding import PositionalEncoding, TokenEmbedding
+
+__all__ = [
+    "MultiheadAttention",
+    "LayerNorm",
+    "RMSNorm",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerDecoder",
+    "Transformer",
+    "TokenEmbedding",
+    "PositionalEncoding",
+]

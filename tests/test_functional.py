@@ -1,0 +1,293 @@
+"""fasttrans.functional: validation, backend selection and the torch.library registration."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fasttrans
+from fasttrans import backends, functional, reference
+from fasttrans.functional import DeviceError, DTypeError, ShapeError
+
+from helpers import make_float_mask
+
+
+def _qkv(B=2, H=4, Hkv=2, Lq=5, Lk=7, D=8, dtype=torch.float32):
+    return (torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype),
+            torch.randn(B, Hkv, Lk, D, dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# validation: every bad input names its argument
+# ---------------------------------------------------------------------------------------
+q0, k0, v0 = _qkv()
+ATTENTION_ERRORS = [
+    ("rank", dict(q=q0[0]), ShapeError, "q"),
+    ("q dtype", dict(q=q0.int()), DTypeError, "q"),
+    ("k dtype", dict(k=k0.double()), DTypeError, "k"),
+    ("batch", dict(k=k0[:1], v=v0[:1]), ShapeError, "k"),
+    ("v shape", dict(v=v0[:, :, :3]), ShapeError, "v"),
+    ("head dim", dict(k=k0[..., :4], v=v0[..., :4]), ShapeError, "k"),
+    ("heads", dict(k=torch.randn(2, 3, 7, 8), v=torch.randn(2, 3, 7, 8)), ShapeError, "heads"),
+    ("empty batch", dict(q=q0[:0], k=k0[:0], v=v0[:0]), ShapeError, "batch"),
+    ("zero-length query", dict(q=q0[:, :, :0]), ShapeError, "query"),
+    ("head dim > 256", dict(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257),
+                            v=torch.randn(1, 1, 2, 257)), ShapeError, "head dim"),
+    ("mask uint8", dict(attn_mask=torch.ones(5, 7, dtype=torch.uint8)), DTypeError, "attn_mask"),
+    ("mask long", dict(attn_mask=torch.ones(5, 7, dtype=torch.long)), DTypeError, "attn_mask"),
+    ("mask shape", dict(attn_mask=torch.ones(5, 6, dtype=torch.bool)), ShapeError, "attn_mask"),
+    ("mask rank", dict(attn_mask=torch.ones(1, 2, 4, 5, 7, dtype=torch.bool)), ShapeError, "attn_mask"),
+    ("key_lengths dtype", dict(key_lengths=torch.tensor([1.0, 2.0])), DTypeError, "key_lengths"),
+    ("key_lengths shape", dict(key_lengths=torch.tensor([1, 2, 3])), ShapeError, "key_lengths"),
+    ("key_lengths range", dict(key_lengths=torch.tensor([1, 8])), ShapeError, "key_lengths"),
+    ("key_lengths negative", dict(key_lengths=torch.tensor([-1, 2])), ShapeError, "key_lengths"),
+    ("is_causal", dict(is_causal=1), TypeError, "is_causal"),
+    ("causal_offset", dict(causal_offset=1.5), TypeError, "causal_offset"),
+    ("dropout_p high", dict(dropout_p=1.0), ShapeError, "dropout_p"),
+    ("dropout_p negative", dict(dropout_p=-0.1), ShapeError, "dropout_p"),
+    ("scale", dict(scale=float("nan")), ShapeError, "scale"),
+    ("not a tensor", dict(q=[1.0]), TypeError, "q"),
+]
+
+
+@pytest.mark.parametrize("name,override,error,arg", ATTENTION_ERRORS, ids=[c[0] for c in ATTENTION_ERRORS])
+def test_attention_rejects_bad_input(name, override, error, arg):
+    kw = dict(q=q0, k=k0, v=v0)
+    kw.update(override)
+    with pytest.raises(error, match=arg):
+        fasttrans.attention(**kw)
+
+
+def test_error_types_are_also_runtime_errors():
+    # torch raises RuntimeError for these mistakes; code written against torch keeps working
+    assert issubclass(ShapeError, RuntimeError) and issubclass(ShapeError, ValueError)
+    assert issubclass(DTypeError, RuntimeError) and issubclass(DTypeError, TypeError)
+    assert issubclass(DeviceError, RuntimeError)
+
+
+x0 = torch.randn(3, 4, 6)
+NORM_ERRORS = [
+    (lambda: fasttrans.layer_norm(x0, (5,)), ShapeError, "normalized_shape"),
+    (lambda: fasttrans.layer_norm(x0.int(), (6,)), DTypeError, "x"),
+    (lambda: fasttrans.layer_norm(x0, (6,), torch.ones(5)), ShapeError, "weight"),
+    (lambda: fasttrans.layer_norm(x0, (6,), None, torch.ones(4, 6)), ShapeError, "bias"),
+    (lambda: fasttrans.layer_norm(x0, (6,), eps=-1.0), ShapeError, "eps"),
+    (lambda: fasttrans.layer_norm(x0[:0], (6,)), ShapeError, "x"),
+    (lambda: fasttrans.layer_norm(x0, "6"), TypeError, "normalized_shape"),
+    (lambda: fasttrans.add_layer_norm(x0, x0[:2]), ShapeError, "residual"),
+    (lambda: fasttrans.add_layer_norm(x0, x0.double()), DTypeError, "residual"),
+    (lambda: fasttrans.add_layer_norm(x0, None), TypeError, "residual"),
+    (lambda: fasttrans.rms_norm(x0, (4, 5)), ShapeError, "normalized_shape"),
+    (lambda: fasttrans.rms_norm(x0, (6,), torch.ones(6, dtype=torch.int32)), DTypeError, "weight"),
+]
+
+
+@pytest.mark.parametrize("call,error,arg", NORM_ERRORS)
+def test_norms_reject_bad_input(call, error, arg):
+    with pytest.raises(error, match=arg):
+        call()
+
+
+# ---------------------------------------------------------------------------------------
+# canonicalisation
+# ---------------------------------------------------------------------------------------
+def test_strided_inputs_and_broadcast_masks():
+    base = torch.randn(2, 7, 4, 16)  # (B, L, H, 2D): q is a strided view, last stride 1
+    q = base[..., :8].transpose(1, 2)  # (B, H, L, D)
+    k = base[..., 8:].transpose(1, 2)
+    v = torch.randn(2, 4, 8, 7).transpose(-1, -2)  # last stride != 1: copied explicitly
+    mask = make_float_mask((7,), "cpu", neg_inf_frac=0.0)  # broadcast over (B, H, Lq)
+    out = fasttrans.attention(q, k, v, attn_mask=mask)
+    ref = reference.attention(q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=mask.expand(2, 4, 7, 7))
+    torch.testing.assert_close(out, ref)
+
+
+def test_key_lengths_any_integer_dtype_and_mask_dtypes():
+    q, k, v = _qkv()
+    ref = reference.attention(q, k, v, key_lengths=torch.tensor([3, 7]))
+    for kl in (torch.tensor([3, 7], dtype=torch.int64), torch.tensor([3, 7], dtype=torch.int32),
+               torch.tensor([3, 7], dtype=torch.int16)):
+        torch.testing.assert_close(fasttrans.attention(q, k, v, key_lengths=kl), ref)
+    m64 = torch.randn(5, 7, dtype=torch.float64)  # a float mask of another float dtype is converted
+    torch.testing.assert_close(fasttrans.attention(q, k, v, attn_mask=m64),
+                               reference.attention(q, k, v, attn_mask=m64.float()))
+
+
+def test_matches_sdpa_and_float_mask_gradient():
+    q, k, v = (t.requires_grad_() for t in _qkv(Hkv=4))
+    mask = torch.randn(1, 4, 5, 7, requires_grad=True)
+    out = fasttrans.attention(q, k, v, attn_mask=mask, scale=0.3)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, mask), g)
+    expected_grads = torch.autograd.grad(expected, (q, k, v, mask), g)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = fasttrans.attention(q, k, v, key_lengths=torch.tensor([0, 7]), is_causal=True, causal_offset=-2)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))  # rows 0, 1 see no key
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+
+
+def test_dropout_debug_hook_reproduces_the_mask():
+    q, k, v = _qkv()
+    torch.manual_seed(3)
+    keep = functional.attention_dropout_mask(q, k, 0.4)
+    torch.manual_seed(3)
+    out = fasttrans.attention(q, k, v, dropout_p=0.4)
+    torch.testing.assert_close(out, reference.attention(q, k, v, dropout_p=0.4, dropout_mask=keep))
+    assert abs((~keep).float().mean().item() - 0.4) < 0.1
+    torch.manual_seed(4)
+    assert not torch.equal(functional.attention_dropout_mask(q, k, 0.4), keep)
+
+
+def test_attention_weights_are_the_softmax():
+    q, k, _ = _qkv(Hkv=4)
+    mask = torch.rand(5, 7) > 0.3
+    w = functional.attention_weights(q, k, attn_mask=mask)
+    s = (q @ k.transpose(-1, -2)) / 8**0.5
+    expected = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    torch.testing.assert_close(w, expected)
+
+
+@pytest.mark.parametrize("shape,ns", [((3, 7), (7,)), ((2, 3, 4, 5), (4, 5))])
+def test_norms_match_torch_with_gradients(shape, ns):
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(ns, requires_grad=True)
+    b = torch.randn(ns, requires_grad=True)
+    for ours, theirs, params in (
+        (lambda: fasttrans.layer_norm(x, ns, w, b, 1e-5), lambda: F.layer_norm(x, ns, w, b, 1e-5), (x, w, b)),
+        (lambda: fasttrans.rms_norm(x, ns, w), lambda: F.rms_norm(x, ns, w), (x, w)),
+    ):
+        y, expected = ours(), theirs()
+        torch.testing.assert_close(y, expected)
+        g = torch.randn_like(y)
+        for a, e in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(expected, params, g)):
+            torch.testing.assert_close(a, e)
+
+
+def test_add_layer_norm_gradients_flow_to_both_outputs():
+    x, r = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    w, b = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
+    y, h = fasttrans.add_layer_norm(x, r, w, b)
+    y2 = F.layer_norm(x + r, (6,), w, b)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    ours = torch.autograd.grad((y, h), (x, r, w, b), (gy, gh))
+    theirs = torch.autograd.grad((y2, x + r), (x, r, w, b), (gy, gh))
+    for a, e in zip(ours, theirs):
+        torch.testing.assert_close(a, e)
+
+
+# ---------------------------------------------------------------------------------------
+# backend selection
+# ---------------------------------------------------------------------------------------
+def test_use_backend_forces_and_restores(monkeypatch):
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    with fasttrans.use_backend("reference"):
+        assert backends.select_backend("attention", "cpu").name == "reference"
+        assert backends.current_forced_backend() == "reference"
+    assert backends.current_forced_backend() is None
+    with pytest.raises(ValueError, match="unknown backend"):
+        with fasttrans.use_backend("cuda-magic"):
+            pass
+
+
+def test_env_var_forces_a_backend(monkeypatch):
+    monkeypatch.setenv("FASTTRANS_BACKEND", "reference")
+    assert backends.select_backend("norm", "cpu").name == "reference"
+    monkeypatch.setenv("FASTTRANS_BACKEND", "nope")
+    with pytest.raises(ValueError, match="FASTTRANS_BACKEND"):
+        backends.select_backend("norm", "cpu")
+
+
+def test_forced_backend_that_cannot_run_raises_with_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(backends.BACKENDS, "triton", backends.Backend(
+        "triton", backends._load_triton, backends._triton_check))
+    q, k, v = _qkv()
+    with fasttrans.use_backend("triton"):
+        with pytest.raises(backends.BackendUnavailableError, match="interpreter"):
+            fasttrans.attention(q, k, v)
+
+
+def test_automatic_fallback_warns_once(monkeypatch):
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    broken = backends.Backend("extension", lambda: (_ for _ in ()).throw(OSError("compiler missing")),
+                              lambda device: None)
+    monkeypatch.setitem(backends.BACKENDS, "extension", broken)
+    monkeypatch.setattr(backends, "_warned", set())
+    q, k, v = _qkv()
+    with pytest.warns(RuntimeWarning, match="compiler missing"):
+        fasttrans.attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fasttrans.attention(q, k, v)  # the second call is silent
+    with fasttrans.use_backend("extension"):
+        with pytest.raises(backends.BackendUnavailableError, match="compiler missing"):
+            fasttrans.attention(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library registration
+# ---------------------------------------------------------------------------------------
+def test_opcheck_reference_ops():
+    fwd, bwd, nfwd, nbwd = backends.ops_for("reference")
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    mask = torch.randn(1, 1, 5, 7).expand(2, 4, 5, 7).requires_grad_()
+    kl = torch.tensor([7, 2], dtype=torch.int32)
+    torch.library.opcheck(fwd, (q, k, v, mask, kl, True, 2, 0.0, 0.35, 0))
+    torch.library.opcheck(fwd, (q, k, v, None, None, False, 0, 0.3, 0.35, 11))
+    out, lse = fwd(q, k, v, mask, kl, True, 2, 0.0, 0.35, 0)
+    # the backward ops are not differentiable themselves (no double backward): plain tensors
+    qd, kd, vd, md = (t.detach() for t in (q, k, v, mask))
+    torch.library.opcheck(bwd, (torch.randn_like(out), qd, kd, vd, out.detach(), lse.detach(), md, kl, True, 2, 0.0,
+                                0.35, 0, True))
+    x, r = torch.randn(6, 10, requires_grad=True), torch.randn(6, 10, requires_grad=True)
+    w, b = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
+    torch.library.opcheck(nfwd, (x, r, w, b, 1e-5, False))
+    torch.library.opcheck(nfwd, (x, None, None, None, 1e-5, False))
+    torch.library.opcheck(nfwd, (x, None, w, None, 1e-6, True))
+    y, h, mean, rstd = nfwd(x, r, w, b, 1e-5, False)
+    torch.library.opcheck(nbwd, (torch.randn_like(y), torch.randn_like(h), h.detach(), w.detach(), b.detach(),
+                                 mean.detach(), rstd.detach(), False))
+
+
+def test_fp64_gradcheck_through_functional():
+    q, k, v = (t.double().requires_grad_() for t in _qkv(B=2, H=2, Hkv=1, Lq=3, Lk=4, D=3))
+    mask = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    kl = torch.tensor([4, 1])
+
+    def f(q, k, v, mask):
+        return fasttrans.attention(q, k, v, attn_mask=mask, key_lengths=kl, is_causal=True, causal_offset=1)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask))
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, r, w: fasttrans.add_layer_norm(x, r, w, None), (x, r, w))
+
+
+def test_compile_fullgraph_matches_eager():
+    q, k, v = _qkv()
+    kl = torch.tensor([7, 3])
+
+    def f(q, k, v, x, w, b):
+        o = fasttrans.attention(q, k, v, key_lengths=kl, is_causal=True, causal_offset=2)
+        y, h = fasttrans.add_layer_norm(x, o.sum(1), w, b)
+        return o, y, h
+
+    x, w, b = torch.randn(2, 5, 8), torch.randn(8), torch.randn(8)
+    eager = f(q, k, v, x, w, b)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, x, w, b)
+    for a, e in zip(compiled, eager):
+        torch.testing.assert_close(a, e)
