@@ -19,10 +19,6 @@ from fasttrans import backends  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (run with pytest -m gpu)")
-    config.addinivalue_line("markers", "slow: long-running (still part of the default run)")
-
 
 @pytest.fixture
 def device() -> str:
