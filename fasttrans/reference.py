@@ -102,6 +102,8 @@ def attention_probs(
     Rows where no key is allowed (every score -inf) are all zeros, not NaN.
     """
     s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast)
+    if s.shape[-1] == 0:  # no keys at all: every row is fully masked
+        return s.clone()
     row_max = s.amax(dim=-1, keepdim=True)
     empty = torch.isneginf(row_max)  # (B, H, Lq, 1): fully masked rows
     p = torch.exp(s - torch.where(empty, torch.zeros_like(row_max), row_max))

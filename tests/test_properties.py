@@ -1,0 +1,160 @@
+"""Property-based cross-backend tests: random shapes and mask combinations vs the reference.
+
+Every backend that can run on this machine is checked (Triton through its interpreter on
+CPU, so sizes stay small). Failing examples are stored in tests/hypothesis-db, which is
+part of the repository, so a regression found once is replayed on every run.
+Set FASTTRANS_FUZZ_EXAMPLES to raise the number of examples for long runs.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+import fasttrans
+from fasttrans import reference
+
+from conftest import backend_params
+from helpers import assert_close_lowp
+
+EXAMPLES = int(os.environ.get("FASTTRANS_FUZZ_EXAMPLES", "25"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=DirectoryBasedExampleDatabase(str(Path(__file__).parent / "hypothesis-db")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def attention_cases(draw):
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.integers(1, 3))
+    Lq = draw(st.integers(1, 19))
+    Lk = draw(st.integers(0, 19))
+    D = draw(st.sampled_from([1, 3, 8, 16, 24, 40]))
+    case = dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, seed=draw(st.integers(0, 2**16)))
+    if draw(st.booleans()):
+        case["key_lengths"] = draw(st.lists(st.integers(0, Lk), min_size=B, max_size=B))
+    if draw(st.booleans()):
+        case["is_causal"] = True
+        case["causal_offset"] = draw(st.integers(-Lq, Lk))
+    mask_kind = draw(st.sampled_from(["none", "bool", "float", "float_grad"]))
+    if mask_kind != "none":
+        # each of the 4 dims is either full or broadcast (size 1), and rank may be < 4
+        full = (B, H, Lq, Lk)
+        dims = [draw(st.booleans()) for _ in range(4)]
+        shape = tuple(s if keep else 1 for s, keep in zip(full, dims))
+        rank = draw(st.integers(2, 4))
+        case["mask"] = (mask_kind, shape[4 - rank:])
+    case["scale"] = draw(st.sampled_from([None, 0.5]))
+    return case
+
+
+def _run_attention(case, backend, dtype=torch.float32):
+    g = torch.Generator().manual_seed(case["seed"])
+    B, H, Hkv, Lq, Lk, D = (case[k] for k in ("B", "H", "Hkv", "Lq", "Lk", "D"))
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
+    kw = {}
+    if "key_lengths" in case:
+        kw["key_lengths"] = torch.tensor(case["key_lengths"])
+    if case.get("is_causal"):
+        kw.update(is_causal=True, causal_offset=case["causal_offset"])
+    mask_grad = False
+    if "mask" in case:
+        kind, shape = case["mask"]
+        if kind == "bool":
+            kw["attn_mask"] = torch.rand(shape, generator=g) < 0.7
+        else:
+            m = torch.randn(shape, generator=g, dtype=dtype)
+            kw["attn_mask"] = m.masked_fill(torch.rand(shape, generator=g) < 0.15, float("-inf"))
+            mask_grad = kind == "float_grad"
+    if case["scale"] is not None:
+        kw["scale"] = case["scale"]
+    inputs = [q, k, v] + ([kw["attn_mask"]] if mask_grad else [])
+    dout = torch.randn(B, H, Lq, D, generator=g, dtype=dtype)
+
+    def grads(fn, tensors):
+        tensors = [t.detach().clone().requires_grad_() for t in tensors]
+        extra = {"attn_mask": tensors[3]} if mask_grad else {}
+        out = fn(*tensors[:3], **{**kw, **extra})
+        return [out] + list(torch.autograd.grad(out, tensors, dout.to(out.dtype), allow_unused=True))
+
+    with fasttrans.use_backend(backend):
+        got = grads(fasttrans.attention, inputs)
+    # fp64 oracle on the same (rounded) inputs
+    inputs64 = [t.double() for t in inputs]
+    kw64 = {**kw, "attn_mask": kw["attn_mask"].double()} if "mask" in case and kw["attn_mask"].dtype != torch.bool else kw
+    kw, saved = kw64, kw
+    expected = grads(reference.attention, inputs64)
+    kw = saved
+    names = ["out", "dq", "dk", "dv", "dmask"]
+    for name, a, e in zip(names, got, expected):
+        e = torch.zeros_like(a, dtype=torch.float64) if e is None else e
+        # finite-ness: -inf mask entries may make a gradient entry exactly 0, never NaN
+        assert_close_lowp(f"{backend} {name}", a.float(), e, None, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@FUZZ
+@given(case=attention_cases())
+def test_attention_matches_reference(backend, case):
+    _run_attention(case, backend)
+
+
+@st.composite
+def norm_cases(draw):
+    return dict(
+        M=draw(st.integers(1, 9)),
+        N=draw(st.sampled_from([1, 2, 7, 33, 64, 100, 257])),
+        strided=draw(st.booleans()),
+        weight=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        kind=draw(st.sampled_from(["layer_norm", "add_layer_norm", "rms_norm"])),
+        eps=draw(st.sampled_from([1e-5, 1e-6, 0.1])),
+        scale=draw(st.sampled_from([1.0, 100.0])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.parametrize("backend", backend_params("norm"))
+@FUZZ
+@given(case=norm_cases())
+def test_norms_match_reference(backend, case):
+    g = torch.Generator().manual_seed(case["seed"])
+    M, N = case["M"], case["N"]
+    base = torch.randn(M, 2 * N, generator=g) * case["scale"] + 3.0
+    x = base[:, ::2] if case["strided"] else base[:, :N]  # strided: last stride 2, copied explicitly
+    if case["strided"] and N > 1:
+        x = torch.randn(M, 3, N, generator=g)[:, 1]  # rows with a row stride of 3N, last stride 1
+    r = torch.randn(M, N, generator=g)
+    w = torch.randn(N, generator=g) if case["weight"] else None
+    b = torch.randn(N, generator=g) if case["bias"] and case["kind"] != "rms_norm" else None
+    dy = torch.randn(M, N, generator=g)
+    dh = torch.randn(M, N, generator=g)
+    kind, eps = case["kind"], case["eps"]
+
+    def run(fn_mod, tensors):
+        x_, r_, w_, b_ = (t.detach().clone().requires_grad_() if t is not None else None for t in tensors)
+        if kind == "layer_norm":
+            outs, cot = (fn_mod.layer_norm(x_, (N,), w_, b_, eps),), (dy,)
+        elif kind == "rms_norm":
+            outs, cot = (fn_mod.rms_norm(x_, (N,), w_, eps),), (dy,)
+        else:
+            outs, cot = fn_mod.add_layer_norm(x_, r_, w_, b_, eps), (dy, dh)
+        leaves = [t for t in (x_, r_, w_, b_) if t is not None and (t is not r_ or kind == "add_layer_norm")]
+        gr = torch.autograd.grad(outs, leaves, [c.to(o.dtype) for o, c in zip(outs, cot)])
+        return list(outs) + list(gr)
+
+    with fasttrans.use_backend(backend):
+        got = run(fasttrans, (x, r, w, b))
+    expected = run(reference, tuple(t.double() if t is not None else None for t in (x, r, w, b)))
+    for i, (a, e) in enumerate(zip(got, expected)):
+        assert_close_lowp(f"{backend} {kind} output/grad #{i}", a, e, None)
