@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 from .backends import BackendUnavailableError, available_backends, use_backend
 from .functional import add_layer_norm, attention, layer_norm, rms_norm
 from . import functional, reference, nn, models  # noqa: E402  (subpackages after the ops they use)
+from .conversion import convert  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -21,6 +22,7 @@ __all__ = [
     "add_layer_norm",
     "rms_norm",
     "use_backend",
+    "convert",
     "available_backends",
     "BackendUnavailableError",
     "functional",

@@ -1,0 +1,156 @@
+"""fasttrans.convert: existing torch.nn models, converted in one call, give the same numbers."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fasttrans
+from fasttrans import backends
+from fasttrans import nn as ftnn
+
+D, H = 16, 2
+
+
+def _grads(model, inputs, forward):
+    model.zero_grad(set_to_none=True)
+    xs = [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = forward(model, *xs)
+    g = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+    out.backward(g)
+    return out.detach(), [x.grad for x in xs if x.is_floating_point()], {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def _assert_same(a, b):
+    out_a, in_a, par_a = a
+    out_b, in_b, par_b = b
+    torch.testing.assert_close(out_a, out_b, atol=1e-10, rtol=1e-10)
+    for x, y in zip(in_a, in_b):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+    assert par_a.keys() == par_b.keys()
+    for n in par_a:
+        torch.testing.assert_close(par_a[n], par_b[n], atol=1e-10, rtol=1e-10, msg=n)
+
+
+def test_transformer_converts_with_same_numbers_and_keys():
+    torch.manual_seed(0)
+    model = nn.Transformer(D, H, 2, 2, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    src, tgt = torch.randn(3, 7, D, dtype=torch.float64), torch.randn(3, 5, D, dtype=torch.float64)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    kpm = torch.zeros(3, 7, dtype=torch.bool)
+    kpm[1, 5:] = True
+
+    def fwd(m, s, t):
+        return m(s, t, tgt_mask=tgt_mask, src_key_padding_mask=kpm, memory_key_padding_mask=kpm)
+
+    expected = _grads(model, (src, tgt), fwd)
+    converted, skipped = fasttrans.convert(model, inplace=False)
+    assert skipped == []
+    assert type(converted) is ftnn.Transformer and type(model) is nn.Transformer  # inplace=False: a copy
+    assert type(converted.encoder.layers[1].self_attn) is ftnn.MultiheadAttention
+    assert list(converted.state_dict().keys()) == list(model.state_dict().keys())
+    _assert_same(_grads(converted, (src, tgt), fwd), expected)
+    # an existing checkpoint loads (strict) into the converted model
+    converted.load_state_dict(model.state_dict())
+
+
+class Block(nn.Module):
+    """A user's own block that nests torch.nn attention and norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64)
+        self.norm = nn.LayerNorm(D, dtype=torch.float64)
+        self.rms = nn.RMSNorm(D, dtype=torch.float64)
+        self.proj = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, x, kpm):
+        a, _ = self.attn(x, x, x, key_padding_mask=kpm, need_weights=False)
+        return self.rms(self.proj(self.norm(x + a)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, 3, dtype=torch.float64)
+
+    def forward(self, x, kpm):
+        for b in self.blocks:
+            x = b(x, kpm)
+        return self.head(x)
+
+
+def test_custom_model_keeps_parameters_hooks_and_modes():
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    kpm = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    expected = _grads(model, (x, kpm), lambda m, x, k: m(x, k))
+    params_before = {n: p for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    model.blocks[0].attn.register_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+    model.blocks[1].norm.eval()
+
+    converted, skipped = fasttrans.convert(model)
+    assert converted is model and skipped == []
+    assert type(model.blocks[0].attn) is ftnn.MultiheadAttention
+    assert type(model.blocks[1].norm) is ftnn.LayerNorm and type(model.blocks[1].rms) is ftnn.RMSNorm
+    for n, p in model.named_parameters():
+        assert p is params_before[n], f"{n} is a new tensor: the optimizer would no longer train it"
+    assert not model.blocks[1].norm.training and model.blocks[0].norm.training
+    _assert_same(_grads(model, (x, kpm), lambda m, x, k: m(x, k)), expected)
+    assert calls == ["MultiheadAttention"]
+    optimizer.step()  # still steps the model's parameters
+
+    # a second conversion finds nothing to do
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, skipped = fasttrans.convert(model)
+    assert again is model and skipped == []
+
+
+class CustomLayer(nn.TransformerEncoderLayer):
+    """A subclass with code of its own: cannot be represented by a fasttrans layer."""
+
+    def forward(self, src, *args, **kwargs):
+        return super().forward(src, *args, **kwargs) * 0.5
+
+
+def test_unsupported_modules_are_left_alone_and_reported():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        CustomLayer(D, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64),
+        nn.LayerNorm(D, dtype=torch.float64),
+    )
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    expected = _grads(model, (x,), lambda m, x: m(x))
+    with pytest.warns(UserWarning, match="CustomLayer"):
+        _, skipped = fasttrans.convert(model)
+    assert [name for name, _ in skipped] == ["0"]
+    assert type(model[0]) is CustomLayer and type(model[1]) is ftnn.LayerNorm
+    _assert_same(_grads(model, (x,), lambda m, x: m(x)), expected)
+
+
+def test_backend_pin_applies_inside_converted_modules(monkeypatch):
+    model = nn.Sequential(nn.MultiheadAttention(D, H, batch_first=True))
+    seen = []
+    select = backends.select_backend
+
+    def spy(op, device):
+        seen.append(backends.current_forced_backend())
+        return select(op, device)
+
+    monkeypatch.setattr(backends, "select_backend", spy)
+    _, _ = fasttrans.convert(model, backend="reference")
+    x = torch.randn(1, 3, D)
+    model[0](x, x, x, need_weights=False)
+    assert seen == ["reference"]
+    with pytest.raises(ValueError, match="unknown backend"):
+        fasttrans.convert(model, backend="fastest")
+    with pytest.raises(TypeError, match="model"):
+        fasttrans.convert("not a module")
