@@ -1,0 +1,284 @@
+"""The benchmark scripts: their --quick mode end to end, and the measuring machinery they share.
+
+The end-to-end tests run each script as `make bench-quick` does, into a temporary results
+directory, with one torch thread (a smoke run on a shared machine, not a measurement), and
+check the CSV and PNGs: every provider row has a status, numbers only where the status is
+ok, and sane numbers there.
+"""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is a directory of scripts, not an installed package
+
+from benchmarks import common  # noqa: E402
+
+SCRIPTS = {"attention": "bench_attention.py", "layernorm": "bench_layernorm.py", "model": "bench_model.py"}
+NUMERIC = ("median_ms", "q20_ms", "q80_ms", "samples", "throughput", "speedup_vs_torch", "peak_mem_bytes",
+           "mem_vs_torch")
+
+
+# --------------------------------------------------------------------------------------
+# shared machinery
+# --------------------------------------------------------------------------------------
+def test_quantiles_match_numpys_linear_rule():
+    np = pytest.importorskip("numpy")
+    samples = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 7.0]
+    t = common.Timing(samples)
+    for q in (0.0, 0.2, 0.5, 0.8, 1.0):
+        assert t.quantile(q) == pytest.approx(float(np.quantile(samples, q)))
+    assert t.median == 4.0
+
+
+def test_cpu_peak_memory_sees_torch_allocations():
+    mib = 2**20
+
+    def alloc():
+        a = torch.empty(3 * mib, dtype=torch.uint8)  # 3 MiB
+        b = torch.empty(5 * mib, dtype=torch.uint8)  # 5 MiB: 8 MiB live
+        del a  # 5 MiB live
+        c = torch.empty(2 * mib, dtype=torch.uint8)  # 7 MiB live
+        return b, c
+
+    peak = common.peak_memory_bytes(alloc, "cpu")
+    assert 8 * mib <= peak < 8 * mib + 64 * 1024, peak
+
+
+def test_cpu_peak_memory_excludes_what_was_live_before():
+    x = torch.empty(16 * 2**20, dtype=torch.uint8)
+    peak = common.peak_memory_bytes(lambda: x + 1, "cpu")  # one output of x's size
+    assert x.numel() <= peak < x.numel() + 64 * 1024, peak
+
+
+def test_interleaved_timing_alternates_providers_and_keeps_failures_apart():
+    calls = []
+
+    def make(name):
+        def fn():
+            calls.append(name)
+        return fn
+
+    def broken():
+        raise ValueError("no kernel for this shape")
+
+    plan = common.TimingPlan(warmup_s=0.0, block_s=0.0, min_rounds=4, max_rounds=4, min_time_s=0.0,
+                             max_time_s=0.0, cuda_warmup_ms=1, cuda_rep_ms=1)
+    out = common.measure_interleaved({"a": make("a"), "b": make("b"), "broken": broken}, "cpu", plan)
+    assert isinstance(out["broken"], ValueError)
+    assert len(out["a"].samples) == len(out["b"].samples) == 4
+    timed = calls[2:]  # after one warm-up call each (block_s=0 gives blocks of one call)
+    assert sorted(timed[i] + timed[i + 1] for i in range(0, 8, 2)) == ["ab", "ab", "ba", "ba"]
+
+
+def test_provider_filter():
+    sel = common.provider_selected
+    assert sel("fasttrans-extension", [])
+    assert sel("fasttrans-extension", ["fasttrans"])
+    assert not sel("torch", ["fasttrans"])
+    assert sel("torch-compile", ["torch"])
+    assert not sel("fasttrans-triton", ["fasttrans-reference"])
+    assert sel("fasttrans-triton", ["*triton"])
+
+
+def test_every_backend_is_a_provider_and_unavailable_ones_say_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton's interpreter is never timed
+    providers = common.fasttrans_providers("cpu", "attention")
+    from fasttrans import backends
+
+    assert [p.name for p in providers] == [f"fasttrans-{n}" for n in backends.BACKENDS]
+    for p in providers:
+        assert p.unavailable is None or p.unavailable.strip(), p
+    assert next(p for p in providers if p.backend == "reference").unavailable is None
+
+
+def _bench(tmp_path, *argv):
+    parser = common.make_parser("test")
+    args = common.parse_args(parser, ["--device", "cpu", "--out-dir", str(tmp_path), *argv])
+    return common.Bench("unit", args)
+
+
+def test_failing_provider_is_an_error_row_with_no_numbers(tmp_path):
+    bench = _bench(tmp_path, "--quick")
+
+    def broken(_inputs):
+        def run():
+            raise RuntimeError("kernel exploded")
+        return run
+
+    cfg = common.Config(
+        sweep="sweep", op="add", mode="fwd", dtype=torch.float32, params={"N": 7},
+        inputs=lambda: torch.ones(7), work=7.0, work_unit="B", measure="time+memory",
+        entries=[
+            common.Entry(common.Provider("torch"), lambda x: (lambda: x + 1)),
+            common.Entry(common.Provider("fasttrans-broken", backend="broken"), broken),
+            common.Entry(common.Provider("fasttrans-absent", backend="absent", unavailable="not built"), broken),
+            common.Entry(common.Provider("fasttrans-slow", backend="slow"), broken, skip="too big"),
+        ],
+    )
+    bench.run(cfg)
+    assert bench.finish() == 1
+    rows = {r["provider"]: r for r in _read_csv(bench.csv_path)}
+    assert rows["torch"]["status"] == "ok" and float(rows["torch"]["median_ms"]) > 0
+    assert rows["torch"]["speedup_vs_torch"] == "1.0000"
+    assert rows["fasttrans-broken"]["status"] == "error"
+    assert "kernel exploded" in rows["fasttrans-broken"]["error"]
+    assert rows["fasttrans-absent"]["status"] == "unavailable" and rows["fasttrans-absent"]["error"] == "not built"
+    assert rows["fasttrans-slow"]["status"] == "skipped" and rows["fasttrans-slow"]["error"] == "too big"
+    for name in ("fasttrans-broken", "fasttrans-absent", "fasttrans-slow"):
+        assert all(rows[name][k] == "" for k in NUMERIC), rows[name]
+
+
+def test_csv_with_other_columns_is_not_appended_to(tmp_path):
+    bench = _bench(tmp_path, "--quick")
+    bench.csv_path.write_text("date,provider,median_ms\n2020-01-01,torch,1.0\n")
+    cfg = common.Config(sweep="sweep", op="add", mode="fwd", dtype=torch.float32, params={},
+                        inputs=lambda: torch.ones(3), entries=[
+                            common.Entry(common.Provider("torch"), lambda x: (lambda: x + 1))])
+    with pytest.raises(SystemExit, match="other columns"):
+        bench.run(cfg)
+    assert bench.csv_path.read_text() == "date,provider,median_ms\n2020-01-01,torch,1.0\n"
+
+
+def test_model_benchmark_refuses_to_run_on_placeholder_modules(tmp_path, monkeypatch, capsys):
+    import fasttrans
+    from benchmarks import bench_model
+
+    monkeypatch.setattr(fasttrans.nn, "Transformer", None)
+    assert bench_model.main(["--quick", "--device", "cpu", "--out-dir", str(tmp_path)]) == 2
+    assert "fasttrans.nn.Transformer is still a placeholder" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def _listed(capsys, module, *argv) -> list[str]:
+    """The configuration lines `--list` prints (nothing is run or written)."""
+    assert module.main(["--list", "--device", "cpu", *argv]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+
+
+def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
+    from benchmarks import bench_attention, bench_layernorm, bench_model
+
+    lines = _listed(capsys, bench_attention)
+    for mask in ("key_padding", "causal"):
+        for mode in ("fwd", "fwd+bwd"):
+            goal = f"] attention {mode} float32 B=4 H=8 Lq=1024 Lk=1024 D=64 mask={mask}"
+            assert any(line.startswith("[attention headline") and line.endswith(goal) for line in lines), goal
+    assert any(line.endswith("] multihead_attention fwd+bwd float32 B=4 L=512 E=512 H=8 mask=key_padding")
+               for line in lines)
+    memory = "] attention fwd+bwd float32 B=1 H=8 Lq=8192 Lk=8192 D=64 mask=none"
+    assert any(line.startswith("[attention memory") and line.endswith(memory) for line in lines)
+    sweep = [line for line in lines if line.startswith("[attention sweep]")]
+    assert {int(line.split("Lq=")[1].split()[0]) for line in sweep} == {128, 256, 512, 1024, 2048}
+    assert {line.split("D=")[1].split()[0] for line in sweep} == {"64", "128"}
+    assert {line.split("mask=")[1] for line in sweep} == set(bench_attention.MASKS)
+
+    lines = _listed(capsys, bench_layernorm)
+    assert any(line.endswith("] layer_norm fwd float32 M=4096 N=1024") for line in lines)
+    assert any(line.endswith("] add_layer_norm fwd+bwd float32 M=4096 N=1024") for line in lines)
+
+    lines = _listed(capsys, bench_model)
+    assert any(line.startswith("[model headline") and line.endswith(
+        "] seq2seq train step float32 model=digits d_model=256 heads=4 layers=3+3 ffn=512 batch=64 src=91 tgt=9")
+        for line in lines), lines
+
+
+def test_filters_select_configurations_in_every_sweep(capsys):
+    from benchmarks import bench_attention, bench_layernorm
+
+    lines = _listed(capsys, bench_attention, "--mask", "causal", "--mode", "fwd", "--seq-len", "256,1024")
+    assert lines
+    assert all(line.endswith("mask=causal") and "] attention fwd float32" in line for line in lines), lines
+    assert {line.split("Lq=")[1].split()[0] for line in lines} == {"256", "1024"}
+    lines = _listed(capsys, bench_layernorm, "--op", "rms_norm", "--hidden", "4096")
+    assert lines and all("] rms_norm " in line and line.endswith("N=4096") for line in lines), lines
+    with pytest.raises(SystemExit, match="--op"):
+        bench_layernorm.main(["--list", "--op", "layernorm"])
+
+
+def test_device_slug_is_a_file_name():
+    assert common.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert common.slugify("AMD EPYC 2 cores") == "amd-epyc-2-cores"
+
+
+# --------------------------------------------------------------------------------------
+# the scripts, end to end
+# --------------------------------------------------------------------------------------
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == common.FIELDS
+        return list(reader)
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    """Run every script's --quick mode once into one results directory."""
+    out = tmp_path_factory.mktemp("results")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as `make bench-quick` runs
+    runs = {}
+    for name, script in SCRIPTS.items():
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--device", "cpu", "--threads", "1",
+             "--out-dir", str(out)],
+            capture_output=True, text=True, env=env, timeout=600,
+        )
+        runs[name] = proc
+    return out, runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("benchmark", list(SCRIPTS))
+def test_quick_run_writes_sane_rows_and_plots(quick_results, benchmark):
+    out, runs = quick_results
+    proc = runs[benchmark]
+    assert proc.returncode == 0, f"{SCRIPTS[benchmark]} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    csvs = list(out.glob("*.csv"))
+    assert len(csvs) == 1, csvs  # one file per device, every script appends to it
+    rows = [r for r in _read_csv(csvs[0]) if r["benchmark"] == benchmark]
+    assert rows
+    for r in rows:
+        for k in NUMERIC:  # empty or a finite number: never NaN or inf standing in for a failure
+            assert r[k] == "" or math.isfinite(float(r[k])), (k, r)
+        assert r["run"] == "quick" and r["device"] == "cpu" and r["torch"] == torch.__version__
+        assert r["date"] and r["device_name"] and r["fasttrans"] and r["triton"]
+        assert r["status"] in common.STATUSES, r
+        if r["status"] != "ok":
+            assert r["error"].strip(), r  # the reason is always given ...
+            assert all(r[k] == "" for k in NUMERIC), r  # ... and never a number
+            continue
+        if r["median_ms"]:
+            q20, med, q80 = (float(r[k]) for k in ("q20_ms", "median_ms", "q80_ms"))
+            assert 0 < q20 <= med <= q80 and math.isfinite(q80), r
+            assert int(r["samples"]) >= 3
+            assert float(r["throughput"]) > 0 and r["throughput_unit"], r
+        if r["peak_mem_bytes"]:
+            assert int(r["peak_mem_bytes"]) > 0
+    # every configuration has its torch baseline, timed, and ratios against it
+    configs = {(r["sweep"], r["op"], r["mode"], r["params"]) for r in rows}
+    for cfg in configs:
+        mine = [r for r in rows if (r["sweep"], r["op"], r["mode"], r["params"]) == cfg]
+        torch_rows = [r for r in mine if r["provider"] == "torch" and r["status"] == "ok"]
+        assert torch_rows, cfg
+        for r in mine:
+            if r["status"] == "ok" and r["median_ms"]:
+                assert float(r["speedup_vs_torch"]) > 0, r
+    # every fasttrans backend shows up, available or not
+    from fasttrans import backends
+
+    providers = {r["provider"] for r in rows}
+    assert {f"fasttrans-{n}" for n in backends.BACKENDS} <= providers
+    assert any(r["sweep"] == "headline" for r in rows)
+    assert "Headline" in proc.stdout
+    pngs = [p for p in out.glob("*.png") if f"_{benchmark}_" in p.name]
+    assert pngs, list(out.iterdir())
+    for png in pngs:
+        assert png.name.endswith("_quick.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
