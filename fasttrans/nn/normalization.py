@@ -1,0 +1,161 @@
+"""LayerNorm and RMSNorm: torch.nn's modules on fasttrans's fused normalisation ops.
+
+Same constructor, parameters (``weight``, ``bias``), initialisation, ``extra_repr`` and
+state_dict as ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``; ``forward`` calls
+``fasttrans.layer_norm`` / ``fasttrans.rms_norm``, which accumulate statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter, init
+
+from .. import functional as FT
+
+__all__ = ["LayerNorm", "RMSNorm", "check_layer_norm_dtypes"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_layer_norm_dtypes(x: Tensor, weight: Tensor | None, bias: Tensor | None, name: str = "input") -> None:
+    """Raise where ``F.layer_norm`` raises on mixed dtypes (RuntimeError).
+
+    torch accepts parameters in the input's dtype, or fp32 parameters with an fp16/bf16
+    input (mixed precision); ``fasttrans.layer_norm`` would silently cast anything else.
+    """
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is None or p.dtype == x.dtype:
+            continue
+        if p.dtype == torch.float32 and x.dtype in _LOW_PRECISION:
+            continue
+        raise RuntimeError(
+            f"{name}: expected dtype {p.dtype} (the dtype of the LayerNorm {pname})"
+            f"{' or float16/bfloat16' if p.dtype == torch.float32 else ''}, got {x.dtype}"
+        )
+
+
+def _shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(normalized_shape)
+
+
+class LayerNorm(Module):
+    r"""Layer normalisation over the trailing ``normalized_shape`` dims, as ``torch.nn.LayerNorm``.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    Args:
+        normalized_shape: int or sequence of ints: the trailing dims to normalise over.
+        eps: added to the variance. Default: 1e-5.
+        elementwise_affine: learn ``weight`` (ones) and, if ``bias``, ``bias`` (zeros).
+        bias: learn an additive bias (only with ``elementwise_affine``). Default: True.
+        device, dtype: factory kwargs for the parameters.
+
+    Shape: input (*, *normalized_shape), output the same.
+    """
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+    normalized_shape: tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            if bias:
+                self.bias = Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_layer_norm_dtypes(input, self.weight, self.bias)
+        if isinstance(input, Tensor) and not input.is_floating_point():
+            # torch's kernel dispatch raises NotImplementedError for integer inputs
+            raise NotImplementedError(f"input: LayerNorm expects a floating-point tensor, got {input.dtype}")
+        return FT.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class RMSNorm(Module):
+    r"""Root-mean-square normalisation, as ``torch.nn.RMSNorm``.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot \gamma
+
+    Args:
+        normalized_shape: int or sequence of ints: the trailing dims to normalise over.
+        eps: added to the mean square; None (default) means ``torch.finfo(x.dtype).eps``.
+        elementwise_affine: learn ``weight`` (ones). Default: True.
+        device, dtype: factory kwargs for the parameters.
+
+    Shape: input (*, *normalized_shape), output the same.
+    """
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+    normalized_shape: tuple[int, ...]
+    eps: float | None
+    elementwise_affine: bool
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(self.normalized_shape, **factory_kwargs))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(x, Tensor) and not x.is_floating_point():
+            # torch's kernel dispatch raises NotImplementedError for integer inputs
+            raise NotImplementedError(f"x: RMSNorm expects a floating-point tensor, got {x.dtype}")
+        return FT.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
