@@ -1,0 +1,672 @@
+"""Fused LayerNorm, Add & Norm and RMSNorm in Triton: forward and backward.
+
+Rows are the (M, N) view built by fasttrans.functional: ``stride(-1) == 1``, any row stride
+(0 included). Inputs are fp32, fp16 or bf16; all arithmetic is fp32 and outputs are in the
+input dtype; weight and bias are in the input dtype or fp32 (loaded and upcast either way).
+
+Forward
+-------
+With a residual, h = x + r is rounded to the input dtype (that rounded h is what the caller
+gets back and what the statistics see, exactly as ``x + residual`` in PyTorch), else h = x::
+
+    LayerNorm: mean = Σh / N      var = Σ(h - mean)² / N      xhat = (h - mean) · rstd
+    RMSNorm:   mean = 0           var = Σh² / N               xhat = h · rstd
+    rstd = 1 / sqrt(var + eps)    y = xhat · w + b
+
+The variance is centred (never E[h²] - E[h]², which cancels catastrophically when
+|mean| ≫ std). mean and rstd (fp32, one per row) are saved for the backward.
+
+Rows up to MAX_FUSED_N elements are held in registers: one read of x (and r), one write of
+y (and h). Several rows share a program when N is small, so a program always has enough
+bytes in flight. Longer rows take the split path: one program per row walks the row in
+chunks twice. Pass 1 combines per-chunk statistics with Chan's parallel update (fp32)::
+
+    chunk c: n_c elements, mean_c, M2_c = Σ(h - mean_c)²
+    n' = n + n_c      d = mean_c - mean      mean' = mean + d · n_c / n'
+    M2' = M2 + M2_c + d² · n · n_c / n'      var = M2 / N
+
+and pass 2 re-reads x (and r, recomputing the same rounded h; re-reading h would read back
+what other threads of the same program stored, with no ordering guarantee) to write y.
+
+Backward
+--------
+With dxhat = dy · w (dy when there is no weight)::
+
+    LayerNorm: dh = rstd · (dxhat - mean(dxhat) - xhat · mean(dxhat · xhat))
+    RMSNorm:   dh = rstd · (dxhat - xhat · mean(dxhat · xhat))
+    dW = Σ_rows dy · xhat        dB = Σ_rows dy
+
+plus the gradient flowing into the h output, when there is one (the caller reuses dx as the
+gradient of the residual: ∂h/∂x = ∂h/∂r = 1).
+
+dx is fused per row. dW and dB are reduced deterministically in two stages, with no atomics
+and no locks: stage 1 gives program p a fixed contiguous block of rows and writes its fp32
+column sums to row p of a (P, N) partial buffer (P about the number of resident programs
+the GPU holds); stage 2 sums the P partials of each column in a fixed order. Rows longer
+than MAX_FUSED_N_BWD first get their two row sums (Σ dxhat · xhat, Σ dxhat) from a chunked
+pass, then stage 1 runs over (row block × column chunk) tiles that only read those sums.
+
+Launch configurations (below) follow from the register and spill counts ptxas reports for
+sm_80 and sm_90 (``compile_targets()``, checked by ``python -m fasttrans compile-check``);
+their speed is measured by benchmarks/ on a GPU.
+
+Limits: fp64 is not supported (the launchers raise TypeError; the reference and extension
+backends run it). M and N below 2**31; element offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["norm_fwd", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
+
+# --------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------
+MAX_FUSED_N = 16384  # longest row the forward holds in registers (16 warps x 128 registers)
+# The backward holds more per element (xhat, dxhat and two dW/dB accumulators): at 8192,
+# every warp count from 8 to 32 spills on sm_80 or sm_90 for some dtype.
+MAX_FUSED_N_BWD = 4096
+SPLIT_BLOCK_N = 4096  # column chunk of the split-row paths
+SPLIT_NUM_WARPS = 16
+MIN_BLOCK_N = 64  # narrower rows are padded: one configuration serves every N ≤ 64
+TILE_ELEMENTS = 1024  # small rows are packed BLOCK_M to a program until a tile has this many
+REDUCE_TILE_ELEMENTS = 2048  # stage-2 dW/dB tile (partials x columns), 16 per thread
+REDUCE_MAX_BLOCK_N = 1024
+# No load feeds a tl.dot, so software pipelining has nothing to do (the compiled code is the
+# same for 1 and 3 stages); launches and compile-check both use 1 so they build one binary.
+NUM_STAGES = 1
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """One launch configuration: a (BLOCK_M, BLOCK_N) tile, warps, and whether rows are split."""
+
+    BLOCK_M: int  # rows per tile
+    BLOCK_N: int  # columns per tile: the padded row, or a chunk of it when split
+    num_warps: int
+    split: bool  # rows longer than one tile: chunked two-pass path
+
+    @property
+    def name(self) -> str:
+        kind = "split" if self.split else "fused"
+        return f"{kind}_m{self.BLOCK_M}_n{self.BLOCK_N}_w{self.num_warps}"
+
+
+# Warps per program. ptxas (sm_90, Triton 3.9) gives these kernels about 5 registers per
+# fp32 element a thread holds, so about 8 elements per thread per tensor (two 16-byte
+# accesses) keeps them at 40-75 registers and 32-48 warps resident per SM; halving the warps
+# doubles the registers and halves the warps in flight. Exceptions, from the same counts:
+# a 16384-wide forward row spills with 32 warps (capped at 64 registers) and fits 16 warps
+# in 128; the backward holds more per element, so it uses twice the forward's warps.
+def _fused_config(N: int, backward: bool) -> NormConfig:
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(N))
+    block_m = max(1, TILE_ELEMENTS // block_n)
+    tile = block_m * block_n
+    if backward:
+        num_warps = min(max(tile // 128, 4), 32)
+    else:
+        num_warps = min(max(tile // 256, 4), 32 if tile <= 8192 else 16)
+    return NormConfig(block_m, block_n, num_warps, split=False)
+
+
+def fwd_config(N: int) -> NormConfig:
+    """Forward configuration for rows of N elements."""
+    if N > MAX_FUSED_N:
+        return NormConfig(1, SPLIT_BLOCK_N, SPLIT_NUM_WARPS, split=True)
+    return _fused_config(N, backward=False)
+
+
+def bwd_config(N: int) -> NormConfig:
+    """Backward (dx and dW/dB partials) configuration for rows of N elements."""
+    if N > MAX_FUSED_N_BWD:
+        return NormConfig(1, SPLIT_BLOCK_N, SPLIT_NUM_WARPS, split=True)
+    return _fused_config(N, backward=True)
+
+
+def reduce_config(N: int) -> NormConfig:
+    """Stage-2 dW/dB configuration: a (partials x columns) tile, 32 columns up to N = 8192.
+
+    Narrow column blocks give about 128 or more programs at the usual widths, each summing
+    its partials in a few steps; wider rows take wider blocks (about 256 programs), which
+    also keeps the interpreter from running thousands of tiny programs.
+    """
+    block_n = min(max(32, triton.next_power_of_2(N) // 256), REDUCE_MAX_BLOCK_N)
+    return NormConfig(REDUCE_TILE_ELEMENTS // block_n, block_n, 4, split=False)
+
+
+def shipped_configs() -> tuple[list[NormConfig], list[NormConfig], list[NormConfig]]:
+    """Every forward, backward and stage-2 configuration the launchers can choose."""
+    sizes = [2**k for k in range(MIN_BLOCK_N.bit_length() - 1, MAX_FUSED_N.bit_length())]
+    fwd = sorted({fwd_config(n) for n in sizes + [MAX_FUSED_N + 1]}, key=lambda c: (c.split, c.BLOCK_N))
+    bwd = sorted({bwd_config(n) for n in sizes + [MAX_FUSED_N_BWD + 1]}, key=lambda c: (c.split, c.BLOCK_N))
+    reduce = sorted({reduce_config(2**k) for k in range(32)}, key=lambda c: c.BLOCK_N)
+    return fwd, bwd, reduce
+
+
+def _resident_programs(device: torch.device, num_warps: int) -> int:
+    """About how many programs of ``num_warps`` warps the device runs at once.
+
+    This is the number P of dW/dB partials: enough programs to fill the GPU (32 warps per
+    SM, what the register counts above allow), and no more, since stage 2 reads P x N fp32
+    values. The interpreter gets a small P, so tests cover several row blocks per program.
+    """
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors(index) * max(32 // num_warps, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _norm_fwd_kernel(
+    X,  # input, (M, N), row stride stride_x_m
+    R,  # residual, (M, N) (unused unless HAS_RESIDUAL)
+    W,  # weight, (N,) (unused unless HAS_WEIGHT)
+    B,  # bias, (N,) (unused unless HAS_BIAS)
+    Y,  # output, (M, N) in X's dtype
+    H,  # h = x + r, (M, N) in X's dtype (unused unless HAS_RESIDUAL)
+    MEAN,  # (M,) fp32 (unused when IS_RMS)
+    RSTD,  # (M,) fp32
+    stride_x_m,
+    stride_r_m,
+    stride_y_m,
+    stride_h_m,
+    M,
+    N,
+    eps,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # ≥ N: the whole row is one tile
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)  # row * stride overflows int32 beyond 2**31 elements
+
+    h = tl.load(X + rows[:, None] * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # rounded to the input dtype: the statistics describe the h the caller gets back
+        h_out = (h + r).to(H.dtype.element_ty)
+        tl.store(H + rows[:, None] * stride_h_m + cols[None, :], h_out, mask=mask)
+        h = h_out.to(tl.float32)
+
+    # statistics in fp32; padded lanes hold 0 and are kept out of the centred sum
+    if IS_RMS:
+        var = tl.sum(h * h, axis=1) / N
+        rstd = tl.rsqrt(var + eps)
+        xhat = h * rstd[:, None]
+    else:
+        mean = tl.sum(h, axis=1) / N
+        diff = tl.where(mask, h - mean[:, None], 0.0)
+        var = tl.sum(diff * diff, axis=1) / N
+        rstd = tl.rsqrt(var + eps)
+        xhat = diff * rstd[:, None]
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y_m + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_split_kernel(
+    X,  # input, (M, N), row stride stride_x_m
+    R,  # residual, (M, N) (unused unless HAS_RESIDUAL)
+    W,  # weight, (N,) (unused unless HAS_WEIGHT)
+    B,  # bias, (N,) (unused unless HAS_BIAS)
+    Y,  # output, (M, N) in X's dtype
+    H,  # h = x + r, (M, N) in X's dtype (unused unless HAS_RESIDUAL)
+    MEAN,  # (M,) fp32 (unused when IS_RMS)
+    RSTD,  # (M,) fp32
+    stride_x_m,
+    stride_r_m,
+    stride_y_m,
+    stride_h_m,
+    M,
+    N,
+    eps,
+    BLOCK_N: tl.constexpr,  # column chunk; one program per row
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    x_row = X + row * stride_x_m
+    r_row = R + row * stride_r_m
+    h_row = H + row * stride_h_m
+    y_row = Y + row * stride_y_m
+
+    # pass 1: statistics, chunk by chunk (Chan's combination of per-chunk mean and M2)
+    mean = tl.zeros((), dtype=tl.float32)
+    m2 = tl.zeros((), dtype=tl.float32)  # Σ(h - mean)², or Σh² for RMSNorm
+    n = tl.zeros((), dtype=tl.float32)  # elements combined so far
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        mask = c < N
+        h = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h_out = (h + tl.load(r_row + c, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(h_row + c, h_out, mask=mask)
+            h = h_out.to(tl.float32)
+        if IS_RMS:
+            m2 += tl.sum(h * h, axis=0)
+        else:
+            n_c = tl.sum(mask.to(tl.float32), axis=0)
+            mean_c = tl.sum(h, axis=0) / n_c
+            diff = tl.where(mask, h - mean_c, 0.0)
+            delta = mean_c - mean
+            n_ac = n + n_c
+            mean += delta * (n_c / n_ac)
+            m2 += tl.sum(diff * diff, axis=0) + delta * delta * (n * (n_c / n_ac))
+            n = n_ac
+    rstd = tl.rsqrt(m2 / N + eps)
+    if not IS_RMS:
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+    # pass 2: normalise, recomputing the same rounded h from x and r
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        mask = c < N
+        h = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h = (h + tl.load(r_row + c, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+        if IS_RMS:
+            y = h * rstd
+        else:
+            y = (h - mean) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_row_sums_kernel(
+    H,  # h = x + r (or x), (M, N), row stride stride_h_m
+    W,  # weight, (N,) (unused unless HAS_WEIGHT)
+    DY,  # gradient of y, (M, N)
+    MEAN,  # (M,) fp32 (unused when IS_RMS)
+    RSTD,  # (M,) fp32
+    SUM_DXHAT_XHAT,  # out: (M,) fp32, Σ dxhat · xhat per row
+    SUM_DXHAT,  # out: (M,) fp32, Σ dxhat per row (unused when IS_RMS)
+    stride_h_m,
+    stride_dy_m,
+    N,
+    BLOCK_N: tl.constexpr,  # column chunk; one program per row
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
+    # the two row reductions of the backward, for rows too long to hold in registers
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    rstd = tl.load(RSTD + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(MEAN + row)
+    acc_dxhat_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_dxhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        mask = c < N
+        h = tl.load(H + row * stride_h_m + c, mask=mask, other=0.0).to(tl.float32)
+        dxhat = tl.load(DY + row * stride_dy_m + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dxhat = dxhat * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        acc_dxhat_xhat += dxhat * xhat
+        acc_dxhat += dxhat
+    tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0))
+    if not IS_RMS:
+        tl.store(SUM_DXHAT + row, tl.sum(acc_dxhat, axis=0))
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    H,  # h = x + r (or x), (M, N), row stride stride_h_m
+    W,  # weight, (N,) (unused unless HAS_WEIGHT)
+    DY,  # gradient of y, (M, N)
+    DH,  # gradient flowing into the h output, (M, N) (unused unless HAS_DH)
+    DX,  # out: gradient of h (= of x and of the residual), (M, N) in H's dtype
+    MEAN,  # (M,) fp32 (unused when IS_RMS)
+    RSTD,  # (M,) fp32
+    SUM_DXHAT_XHAT,  # (M,) fp32 row sums from _norm_bwd_row_sums_kernel (unused unless SPLIT)
+    SUM_DXHAT,  # (M,) fp32 (unused unless SPLIT and not IS_RMS)
+    DW_PARTIAL,  # out: (P, N) fp32, row p = Σ dy · xhat over program p's rows (unused unless HAS_WEIGHT)
+    DB_PARTIAL,  # out: (P, N) fp32, row p = Σ dy over program p's rows (unused unless HAS_BIAS)
+    stride_h_m,
+    stride_dy_m,
+    stride_dh_m,
+    stride_dx_m,
+    M,
+    N,
+    rows_per_program,  # a multiple of BLOCK_M: program p owns rows [p·rows_per_program, ...)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # ≥ N, or a column chunk when SPLIT
+    SPLIT: tl.constexpr,  # row sums come precomputed; axis 1 of the grid walks column chunks
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    # per-program partial sums, reduced over the tile's rows only once at the end
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for block_start in range(row_start, row_end, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+
+        h = tl.load(H + rows[:, None] * stride_h_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xhat = h * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        dxhat = dy
+        if HAS_WEIGHT:
+            # reloaded per row block (an L1 hit): holding w across the loop costs registers
+            dxhat = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        # accumulated before the row reductions, so that dy is dead across them (registers)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+
+        if SPLIT:
+            mean_dxhat_xhat = tl.load(SUM_DXHAT_XHAT + rows, mask=row_mask, other=0.0) / N
+        else:
+            mean_dxhat_xhat = tl.sum(dxhat * xhat, axis=1) / N
+        if IS_RMS:
+            dx = (dxhat - xhat * mean_dxhat_xhat[:, None]) * rstd[:, None]
+        else:
+            if SPLIT:
+                mean_dxhat = tl.load(SUM_DXHAT + rows, mask=row_mask, other=0.0) / N
+            else:
+                mean_dxhat = tl.sum(dxhat, axis=1) / N
+            dx = (dxhat - mean_dxhat[:, None] - xhat * mean_dxhat_xhat[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx_m + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+    partial = pid.to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _norm_bwd_reduce_kernel(
+    DW_PARTIAL,  # (P, N) fp32 (unused unless HAS_WEIGHT)
+    DB_PARTIAL,  # (P, N) fp32 (unused unless HAS_BIAS)
+    DW,  # out: (N,) in the weight's dtype
+    DB,  # out: (N,) in the bias's dtype
+    P,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # stage 2: each column's P partials summed in a fixed order (deterministic)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p_start in range(0, P, BLOCK_P):
+        p = p_start + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & col_mask[None, :]
+        offsets = p.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_WEIGHT:
+            dw_acc += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers (the backend interface of fasttrans.backends)
+# --------------------------------------------------------------------------------------
+def _check_rows(name: str, t: torch.Tensor, M: int, N: int) -> None:
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}: the triton backend supports float32, float16 and bfloat16, got {t.dtype} "
+            "(use the 'reference' or 'extension' backend for float64)"
+        )
+    if t.dim() != 2 or tuple(t.shape) != (M, N):
+        raise ValueError(f"{name}: expected shape ({M}, {N}), got {tuple(t.shape)}")
+    if N > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit stride along the last dim, got strides {t.stride()}")
+
+
+def _vector(name: str, p: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    if p is None:
+        return None
+    if p.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: the triton backend supports float32, float16 and bfloat16, got {p.dtype}")
+    if p.numel() != N:
+        raise ValueError(f"{name}: expected {N} elements, got shape {tuple(p.shape)}")
+    return p.reshape(N).contiguous()  # tiny: a dense copy is cheaper than a stride argument
+
+
+def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """``t``, or for an absent tensor a live stand-in: its kernel flag keeps it unread."""
+    return stand_in if t is None else t
+
+
+def norm_fwd(x, residual, weight, bias, eps, rms):
+    """(y, h or None, mean or None, rstd): see fasttrans.backends for the contract."""
+    M, N = x.shape
+    _check_rows("x", x, M, N)
+    if residual is not None:
+        _check_rows("residual", residual, M, N)
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+    weight = _vector("weight", weight, N)
+    bias = None if rms else _vector("bias", bias, N)
+
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device) if residual is not None else None
+    mean = None if rms else torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    args = (
+        x, _or(residual, x), _or(weight, x), _or(bias, x), y, _or(h, y), _or(mean, rstd), rstd,
+        x.stride(0), _or(residual, x).stride(0), y.stride(0), N,
+        M, N, float(eps),
+    )
+    flags = dict(
+        IS_RMS=bool(rms), HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+    )
+    cfg = fwd_config(N)
+    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    if cfg.split:
+        _norm_fwd_split_kernel[(M,)](*args, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
+    else:
+        grid = (triton.cdiv(M, cfg.BLOCK_M),)
+        _norm_fwd_kernel[grid](*args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
+    return y, h, mean, rstd
+
+
+def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
+    """(dx, dweight or None, dbias or None): see fasttrans.backends for the contract."""
+    M, N = h.shape
+    _check_rows("h", h, M, N)
+    _check_rows("dy", dy, M, N)
+    if dh is not None:
+        _check_rows("dh", dh, M, N)
+    if not rms and mean is None:
+        raise ValueError("mean: required for LayerNorm (rms=False), got None")
+    w = _vector("weight", weight, N)
+    b = None if rms else _vector("bias", bias, N)
+    mean = None if rms else mean
+    device = h.device
+    cfg = bwd_config(N)
+    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+
+    # P programs (times the column chunks when split), each owning a contiguous block of
+    # rows_per_program rows and writing one row of the (P, N) dW/dB partials
+    if cfg.split:
+        col_blocks = triton.cdiv(N, cfg.BLOCK_N)
+        row_tiles = M
+        num_partials = min(M, max(1, _resident_programs(device, cfg.num_warps) // col_blocks))
+    else:
+        col_blocks = 1
+        row_tiles = triton.cdiv(M, cfg.BLOCK_M)
+        num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
+    rows_per_program = triton.cdiv(row_tiles, num_partials) * cfg.BLOCK_M
+    num_partials = triton.cdiv(M, rows_per_program)  # no program without rows
+
+    fp32 = dict(dtype=torch.float32, device=device)
+    dx = torch.empty((M, N), dtype=h.dtype, device=device)
+    dw_partial = torch.empty((num_partials, N), **fp32) if w is not None else None
+    db_partial = torch.empty((num_partials, N), **fp32) if b is not None else None
+    sum_dxhat_xhat = sum_dxhat = None
+    if cfg.split:
+        sum_dxhat_xhat = torch.empty((M,), **fp32)
+        sum_dxhat = None if rms else torch.empty((M,), **fp32)
+        _norm_bwd_row_sums_kernel[(M,)](
+            h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd),
+            h.stride(0), dy.stride(0), N,
+            BLOCK_N=cfg.BLOCK_N, IS_RMS=bool(rms), HAS_WEIGHT=w is not None, **launch,
+        )
+    _norm_bwd_kernel[(num_partials, col_blocks)](
+        h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
+        _or(dw_partial, rstd), _or(db_partial, rstd),
+        h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
+        M, N, rows_per_program,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=bool(rms),
+        HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, HAS_DH=dh is not None, **launch,
+    )
+
+    dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
+    db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
+    if w is not None or b is not None:
+        red = reduce_config(N)
+        _norm_bwd_reduce_kernel[(triton.cdiv(N, red.BLOCK_N),)](
+            _or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd),
+            num_partials, N,
+            BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
+            num_warps=red.num_warps, num_stages=NUM_STAGES,
+        )
+    return dx, (None if dw is None else dw.view(weight.shape)), (None if db is None else db.view(bias.shape))
+
+
+# --------------------------------------------------------------------------------------
+# Compile-check targets
+# --------------------------------------------------------------------------------------
+_TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Flag sets compiled for every configuration: the heaviest variant of each norm, and plain
+# LayerNorm (every other combination compiles too; these bound the register use).
+_FWD_FLAGS = (  # (IS_RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS)
+    (False, True, True, True), (True, True, True, False), (False, False, False, False),
+)
+_BWD_FLAGS = (  # (IS_RMS, HAS_WEIGHT, HAS_BIAS, HAS_DH)
+    (False, True, True, True), (True, True, False, True), (False, False, False, False),
+)
+_ROW_TENSORS = ("X", "R", "Y", "H", "DY", "DH", "DX")  # (M, N), in the input dtype
+_PARAM_TENSORS = ("W", "B", "DW", "DB")  # (N,), in the parameters' dtype
+_INT_SCALARS = ("M", "N", "P", "rows_per_program")
+
+
+def _target(fn, config: str, num_warps: int, constexprs: dict, dtype: str, param_dtype: str) -> dict:
+    """One compile-check entry: argument types follow from the argument names."""
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in _ROW_TENSORS:
+            signature[arg] = f"*{dtype}"
+        elif arg in _PARAM_TENSORS:
+            signature[arg] = f"*{param_dtype}"
+        elif arg in _INT_SCALARS or arg.startswith("stride_"):
+            signature[arg] = "i32"
+        elif arg == "eps":
+            signature[arg] = "fp32"
+        else:  # statistics, row sums, partials
+            signature[arg] = "*fp32"
+    # Triton's launcher marks integers divisible by 16 (and aligned pointers); rows whose
+    # stride is a multiple of 16 (the usual widths) then get vectorised accesses, and the
+    # marks reproduce that code. Without them (odd widths) the kernels also compile with
+    # zero spills (checked with ptxas for sm_80 and sm_90 when these targets were set).
+    divisible = [arg for arg in fn.arg_names if arg.startswith("stride_")]
+    flags = "+".join(k.lower() for k, v in constexprs.items() if k.startswith(("IS_", "HAS_")) and v) or "plain"
+    return dict(
+        kernel=fn.__name__, fn=fn, config=f"{config}_{dtype}_{param_dtype}w_{flags}", signature=signature,
+        constexprs=constexprs, num_warps=num_warps, num_stages=NUM_STAGES, matmul=False,
+        divisible_by_16=divisible,
+    )
+
+
+def compile_targets() -> list[dict]:
+    """Every shipped kernel configuration, for ``python -m fasttrans compile-check``.
+
+    One entry per kernel, configuration, input dtype and flag set (``_FWD_FLAGS``,
+    ``_BWD_FLAGS``), with weight/bias in the input dtype, plus the heaviest flag set with
+    fp32 weight/bias for fp16/bf16 inputs. ``divisible_by_16`` names the row strides, which
+    Triton's launcher marks divisible at the usual widths.
+    """
+    fwd_configs, bwd_configs, reduce_configs = shipped_configs()
+    targets = []
+    for t in _TRITON_DTYPE.values():
+        for param_t in dict.fromkeys((t, "fp32")):
+            n_flags = len(_FWD_FLAGS) if param_t == t else 1
+            for cfg in fwd_configs:
+                fn = _norm_fwd_split_kernel if cfg.split else _norm_fwd_kernel
+                for is_rms, has_res, has_w, has_b in _FWD_FLAGS[:n_flags]:
+                    const = dict(BLOCK_N=cfg.BLOCK_N) if cfg.split else dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N)
+                    const.update(IS_RMS=is_rms, HAS_RESIDUAL=has_res, HAS_WEIGHT=has_w, HAS_BIAS=has_b)
+                    targets.append(_target(fn, cfg.name, cfg.num_warps, const, t, param_t))
+            for cfg in bwd_configs:
+                for is_rms, has_w, has_b, has_dh in _BWD_FLAGS[:n_flags]:
+                    const = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=is_rms,
+                                 HAS_WEIGHT=has_w, HAS_BIAS=has_b, HAS_DH=has_dh)
+                    targets.append(_target(_norm_bwd_kernel, cfg.name, cfg.num_warps, const, t, param_t))
+                    if cfg.split:
+                        const = dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=is_rms, HAS_WEIGHT=has_w)
+                        targets.append(_target(_norm_bwd_row_sums_kernel, cfg.name, cfg.num_warps, const, t, param_t))
+        # stage 2 only sees fp32 partials and writes dW/dB in the parameters' dtype
+        for cfg in reduce_configs:
+            const = dict(BLOCK_P=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_WEIGHT=True, HAS_BIAS=True)
+            name = f"reduce_p{cfg.BLOCK_M}_n{cfg.BLOCK_N}_w{cfg.num_warps}"
+            targets.append(_target(_norm_bwd_reduce_kernel, name, cfg.num_warps, const, t, t))
+    return targets
