@@ -39,6 +39,16 @@ def backend_params(op: str, device: str = DEVICE):
     return params
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For files of tiny shapes: a second intra-op thread only adds synchronisation, and on a
+    loaded machine its spin-waiting made such files several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -24,14 +24,7 @@ TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-
 E, H, N, L, S = 16, 2, 3, 5, 7  # awkward lengths: L=5 queries, S=7 keys
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These shapes are tiny: a second intra-op thread only adds synchronisation, and on a
-    loaded machine its spin-waiting made this file several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------

@@ -36,14 +36,7 @@ def _check_grads_match(t_mod, f_mod, x, dtype):
         torch.testing.assert_close(pf.grad, pt.grad, **TOL[dtype], msg=f"gradient of {nf}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These shapes are tiny: a second intra-op thread only adds synchronisation, and on a
-    loaded machine its spin-waiting made this file several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------

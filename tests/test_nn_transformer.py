@@ -24,14 +24,7 @@ E, H, FF, N, S, T = 16, 2, 24, 3, 7, 5  # d_model 16, 2 heads, source length 7, 
 MASK_KINDS = ["none", "float_causal", "bool_causal", "kpm", "both"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These shapes are tiny: a second intra-op thread only adds synchronisation, and on a
-    loaded machine its spin-waiting made this file several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------
