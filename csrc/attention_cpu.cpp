@@ -1,0 +1,560 @@
+// Fused attention on the CPU: flash-style blocked forward and backward.
+//
+// Forward, for one block of BM query rows (online softmax, Milakov & Gimelshein 2018):
+//     for each tile of BN keys j:   S  = (scale Q) K_j^T + mask            (BM x BN)
+//                                   m' = max(m, rowmax S);  P = exp(S - m')
+//                                   l  = l exp(m - m') + rowsum P
+//                                   O  = O exp(m - m') + (P * keep) V_j
+//     out = O / (l (1 - p)),  lse = m + log l   (fp32; fp64 for fp64 inputs)
+// A row with no visible key keeps m = -inf and l = 0: out = 0 and lse = +inf, so the
+// backward recomputes P = exp(S - lse) = 0 for it without a special case.
+//
+// Backward (FlashAttention-2, Dao 2023), per (query tile i, key tile j), in transposed form:
+//     S^T  = K_j Q_i^T                 P^T  = exp(scale S^T + mask - lse_i)
+//     dV_j += (P^T * keep / (1-p)) dO_i
+//     dP^T = V_j dO_i^T                dS^T = P^T * (dP^T * keep / (1-p) - delta_i)
+//     dK_j += scale dS^T Q_i           dQ_i^T += scale K_j^T dS^T
+// with delta_i = rowsum(dO_i * O_i). The transposed form gives every GEMM its B operand in
+// K-major layout straight from a pre-transposed copy (Q^T, dO^T, K^T are made once per
+// call), because the brgemm micro-kernel has no transpose flag; no tile is ever transposed.
+// dS is also the gradient of an additive float mask.
+//
+// Determinism: no atomics. The "fused" schedule gives one work item per (batch, kv head):
+// it owns dK/dV of that head and dQ of its query heads. When there are too few such items
+// to fill the threads, the "split" schedule runs dK/dV per (batch, kv head, key tile) and
+// then dQ per (batch, head, query tile), recomputing S and dP (7 GEMMs per tile instead of 5).
+// FASTTRANS_CPU_ATTENTION_BWD=fused|split forces one (tests use it to cover both).
+//
+// Skipping: key tiles at or past key_lengths[b] and tiles entirely above the causal
+// diagonal are never visited; only tiles crossing the diagonal pay for the causal mask.
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common.h"
+#include "ops.h"
+
+namespace fasttrans::cpu {
+namespace {
+
+// Tile sizes (rows x keys). 64 x 128 keeps S (32 KiB) and the 64 x D accumulator in L1/L2
+// for D <= 128; the backward holds four BN x BM tiles, hence the smaller key tile.
+constexpr int64_t kFwdBlockM = 64;
+constexpr int64_t kFwdBlockN = 128;
+constexpr int64_t kBwdBlockM = 64;
+constexpr int64_t kBwdBlockN = 64;
+
+struct AttnParams {
+  int64_t B = 0, H = 0, Hkv = 0, group = 1, Lq = 0, Lk = 0, D = 0;
+  bool causal = false;
+  int64_t causal_offset = 0;
+  double scale = 1.0;
+  const int32_t* key_lengths = nullptr;  // (B,) or null
+  MaskView mask;
+  Dropout dropout;
+
+  int64_t kv_len(int64_t b) const {
+    return key_lengths ? std::clamp<int64_t>(key_lengths[b], 0, Lk) : Lk;
+  }
+  // Keys [0, kv_end) may be visible to some row of the query block [i0, i0 + bm).
+  int64_t kv_end(int64_t b, int64_t i0, int64_t bm) const {
+    int64_t end = kv_len(b);
+    if (causal) end = std::min(end, std::max<int64_t>(0, i0 + bm + causal_offset));
+    return end;
+  }
+  // First query row that may see key j0.
+  int64_t q_begin(int64_t j0) const {
+    return causal ? std::clamp<int64_t>(j0 - causal_offset, 0, Lq) : 0;
+  }
+  // True when some entry of the tile lies above the causal diagonal.
+  bool crosses_diagonal(int64_t i0, int64_t j_last) const {
+    return causal && j_last > i0 + causal_offset;
+  }
+};
+
+AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& attn_mask,
+                       const at::Tensor& key_lengths_i32, bool is_causal, int64_t causal_offset, double dropout_p,
+                       double scale, int64_t seed) {
+  AttnParams p;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.Lq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.Lk = k.size(2);
+  p.group = p.H / p.Hkv;
+  p.causal = is_causal;
+  // Offsets beyond these bounds change nothing (every key visible / none visible) and
+  // would only risk overflow in the tile arithmetic.
+  p.causal_offset = std::clamp<int64_t>(causal_offset, -(p.Lq + 1), p.Lk + 1);
+  p.scale = scale;
+  p.key_lengths = key_lengths_i32.defined() ? key_lengths_i32.data_ptr<int32_t>() : nullptr;
+  p.mask = make_mask_view(attn_mask);
+  p.dropout = make_dropout(dropout_p, seed);
+  return p;
+}
+
+// --------------------------------------------------------------------------------------
+// Argument checks shared by forward and backward (the functional layer validated the
+// user's call; these guard direct calls of the op)
+// --------------------------------------------------------------------------------------
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4, "q: expected a 4-D (B, H, Lq, D) tensor, got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "k, v: expected equal 4-D (B, Hkv, Lk, D) shapes, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "k: expected batch ", q.size(0), " and head dim ",
+              q.size(3), " (from q), got shape ", k.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "k: number of kv heads (", k.size(1),
+              ") must divide the number of query heads (", q.size(1), ")");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "k, v: expected the dtype of q (", q.scalar_type(), "), got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q: expected a floating-point dtype, got ", q.scalar_type());
+}
+
+std::optional<at::Tensor> canonical_mask(const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
+                                         const at::Tensor& k) {
+  if (!attn_mask.has_value() || !attn_mask->defined()) return std::nullopt;
+  // expand() is a view: broadcast dims keep stride 0 and are never materialised
+  return attn_mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+}
+
+at::Tensor canonical_lengths(const std::optional<at::Tensor>& key_lengths, int64_t B) {
+  if (!key_lengths.has_value() || !key_lengths->defined()) return at::Tensor();
+  TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B, "key_lengths: expected shape (", B,
+              ",), got ", key_lengths->sizes());
+  return key_lengths->to(at::kInt).contiguous();
+}
+
+// A copy with standard strides (contiguous() may keep odd strides on size-1 dims).
+at::Tensor dense_copy(const at::Tensor& t, at::ScalarType dtype) {
+  return at::empty(t.sizes(), t.options().dtype(dtype)).copy_(t);
+}
+
+// Rows must be addressable as a matrix with leading dimension stride(2) >= D (the GEMMs
+// read them in place); anything else (an expanded view, a non-unit inner stride) gets a copy.
+at::Tensor rows_in_place(const at::Tensor& t) {
+  const bool unit_inner = t.stride(3) == 1 || t.size(3) == 1;
+  return unit_inner && t.stride(2) >= t.size(3) ? t : dense_copy(t, t.scalar_type());
+}
+
+// t in the accumulation dtype, rows addressable in place.
+at::Tensor rows_as(const at::Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == acc ? rows_in_place(t) : dense_copy(t, acc);
+}
+
+// (B, H, L, D) -> (B, H, D, L) contiguous copy in the accumulation dtype.
+at::Tensor transposed_copy(const at::Tensor& t, at::ScalarType acc) {
+  at::Tensor out = at::empty({t.size(0), t.size(1), t.size(3), t.size(2)}, t.options().dtype(acc));
+  out.copy_(t.transpose(2, 3));
+  return out;
+}
+
+// Strided view of a (B, H, L, D) tensor: the address of row (b, h, i).
+template <typename T>
+struct Rows {
+  T* data;
+  int64_t sb, sh, si;
+  explicit Rows(const at::Tensor& t)
+      : data(static_cast<T*>(t.data_ptr())), sb(t.stride(0)), sh(t.stride(1)), si(t.stride(2)) {}
+  T* operator()(int64_t b, int64_t h, int64_t i) const { return data + b * sb + h * sh + i * si; }
+};
+
+// --------------------------------------------------------------------------------------
+// Forward
+// --------------------------------------------------------------------------------------
+template <typename scalar_t>
+void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Tensor& kt, const at::Tensor& vn,
+                          at::Tensor& out, at::Tensor& lse) {
+  using T = acc_t<scalar_t>;
+  const int64_t D = p.D, Lk = p.Lk;
+  const int64_t BM = std::min(kFwdBlockM, p.Lq);
+  const int64_t BN = kFwdBlockN;
+  const int64_t n_qb = (p.Lq + BM - 1) / BM;
+
+  const Rows<const scalar_t> q_rows(q);
+  const T* kt_data = kt.data_ptr<T>();  // (B, Hkv, D, Lk)
+  const Rows<const T> v_rows(vn);
+  const int64_t ld_v = vn.stride(2);
+  const Rows<scalar_t> out_rows(out);
+  T* lse_data = lse.data_ptr<T>();  // (B, H, Lq)
+
+  struct Scratch {
+    std::vector<T> q, s, o, m, l, row;
+  };
+  auto make_scratch = [&] {
+    Scratch s;
+    s.q.resize(BM * D);
+    s.s.resize(BM * BN);
+    s.o.resize(BM * D);
+    s.m.resize(BM);
+    s.l.resize(BM);
+    s.row.resize(BN);
+    return s;
+  };
+
+  parallel_items(p.B * p.H * n_qb, make_scratch, [&](int64_t item, Scratch& s) {
+    const int64_t bh = item / n_qb;
+    const int64_t b = bh / p.H, h = bh % p.H, hk = h / p.group;
+    // causal: the late (expensive) blocks of a head are claimed first
+    const int64_t qb = p.causal ? n_qb - 1 - item % n_qb : item % n_qb;
+    const int64_t i0 = qb * BM, bm = std::min(BM, p.Lq - i0);
+    const int64_t kv_end = p.kv_end(b, i0, bm);
+    T* lse_row = lse_data + bh * p.Lq + i0;
+
+    if (kv_end <= 0) {  // no key is visible to any row of the block
+      for (int64_t r = 0; r < bm; ++r) {
+        std::fill(out_rows(b, h, i0 + r), out_rows(b, h, i0 + r) + D, scalar_t(0));
+        lse_row[r] = std::numeric_limits<T>::infinity();
+      }
+      return;
+    }
+
+    for (int64_t r = 0; r < bm; ++r) load_scaled(q_rows(b, h, i0 + r), s.q.data() + r * D, D, T(p.scale));
+    std::fill(s.m.begin(), s.m.end(), neg_inf<T>());
+    std::fill(s.l.begin(), s.l.end(), T(0));
+    std::fill(s.o.begin(), s.o.end(), T(0));
+    const T* kt_head = kt_data + (b * p.Hkv + hk) * D * Lk;
+
+    for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
+      const int64_t bn = std::min(BN, kv_end - j0);
+      gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);  // S = (scale Q) K^T
+
+      if (p.mask) {
+        for (int64_t r = 0; r < bm; ++r) {
+          load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
+          T* srow = s.s.data() + r * BN;
+          for (int64_t c = 0; c < bn; ++c) srow[c] += s.row[c];
+        }
+      }
+      if (p.crosses_diagonal(i0, j0 + bn - 1)) {
+        for (int64_t r = 0; r < bm; ++r) {
+          const int64_t first_hidden = std::clamp<int64_t>(i0 + r + p.causal_offset + 1 - j0, 0, bn);
+          std::fill(s.s.data() + r * BN + first_hidden, s.s.data() + r * BN + bn, neg_inf<T>());
+        }
+      }
+
+      for (int64_t r = 0; r < bm; ++r) {
+        T* srow = s.s.data() + r * BN;
+        const T m_new = std::max(s.m[r], row_max(srow, bn));
+        if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
+          std::fill(srow, srow + bn, T(0));
+          continue;
+        }
+        const T alpha = std::exp(s.m[r] - m_new);  // 0 while the row was empty
+        const T row_sum = exp_sub_sum(srow, bn, m_new);
+        s.l[r] = s.l[r] * alpha + row_sum;
+        s.m[r] = m_new;
+        if (alpha != T(1)) scale_row(s.o.data() + r * D, D, alpha);
+        if (p.dropout.enabled) {  // l keeps the undropped sum: dropout acts after the softmax
+          dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
+          for (int64_t c = 0; c < bn; ++c) srow[c] *= s.row[c];
+        }
+      }
+      gemm_nn(bm, D, bn, s.s.data(), BN, v_rows(b, hk, j0), ld_v, s.o.data(), D, true);  // O += P V
+    }
+
+    for (int64_t r = 0; r < bm; ++r) {
+      scalar_t* orow = out_rows(b, h, i0 + r);
+      if (s.l[r] > T(0)) {
+        store_scaled(s.o.data() + r * D, orow, D, static_cast<T>(p.dropout.inv_keep / s.l[r]));
+        lse_row[r] = s.m[r] + std::log(s.l[r]);
+      } else {
+        std::fill(orow, orow + D, scalar_t(0));
+        lse_row[r] = std::numeric_limits<T>::infinity();
+      }
+    }
+  });
+}
+
+// --------------------------------------------------------------------------------------
+// Backward
+// --------------------------------------------------------------------------------------
+template <typename T>
+struct BwdOperands {
+  Rows<const T> q, dout, k, v;      // natural layout rows (B, H|Hkv, L, D)
+  const T* qt;                      // (B, H, D, Lq)
+  const T* dout_t;                  // (B, H, D, Lq)
+  const T* kt;                      // (B, Hkv, D, Lk)
+  const T* lse;                     // (B, H, Lq)
+  const T* delta;                   // (B, H, Lq)
+  T* dq_t;                          // (B, H, D, Lq) accumulator
+  T* dmask;                         // (B, H, Lq, Lk) or null
+};
+
+template <typename T>
+struct BwdScratch {
+  std::vector<T> st, pdt, dpt, keep, dk, dv, row;
+  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout)
+      : st(BN * BM), dpt(BN * BM), dk(BN * D), dv(BN * D), row(std::max(BM, BN)) {
+    if (dropout) {
+      pdt.resize(BN * BM);
+      keep.resize(BN * BM);
+    }
+  }
+};
+
+// One (query tile, key tile) step of the backward; tiles are stored key-major (ld = BM).
+template <typename T>
+void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t BM, int64_t b, int64_t h,
+              int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+  const int64_t D = p.D, Lq = p.Lq, Lk = p.Lk, hk = h / p.group;
+  const int64_t bh = b * p.H + h;
+  T* st = s.st.data();
+  T* dpt = s.dpt.data();
+  constexpr int64_t W = Vec<T>::size();
+
+  // S^T = K_j Q_i^T, then scale (+ mask), hidden entries -inf
+  gemm_nn(bn, bm, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * Lq + i0, Lq, st, BM, false);
+  for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
+  if (p.mask) {
+    for (int64_t r = 0; r < bm; ++r) {
+      load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
+      for (int64_t c = 0; c < bn; ++c) st[c * BM + r] += s.row[c];
+    }
+  }
+  if (p.crosses_diagonal(i0, j0 + bn - 1)) {
+    for (int64_t c = 0; c < bn; ++c) {  // key j0 + c is hidden from rows i < j0 + c - offset
+      const int64_t rows_hidden = std::clamp<int64_t>(j0 + c - p.causal_offset - i0, 0, bm);
+      std::fill(st + c * BM, st + c * BM + rows_hidden, neg_inf<T>());
+    }
+  }
+
+  // P^T = exp(S^T - lse)   (lse = +inf on empty rows gives 0)
+  const T* lse = x.lse + bh * Lq + i0;
+  for (int64_t c = 0; c < bn; ++c) {
+    T* row = st + c * BM;
+    int64_t r = 0;
+    for (; r + W <= bm; r += W) vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r)).store(row + r);
+    if (r < bm) vexp(Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r)).store(row + r, bm - r);
+  }
+
+  // dropout: Pd^T = P^T * keep / (1 - p)
+  const T* pd = st;
+  const T inv_keep = static_cast<T>(p.dropout.inv_keep);
+  if (p.dropout.enabled) {
+    for (int64_t r = 0; r < bm; ++r) {
+      dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
+      for (int64_t c = 0; c < bn; ++c) s.keep[c * BM + r] = s.row[c] * inv_keep;
+    }
+    for (int64_t c = 0; c < bn; ++c) {
+      for (int64_t r = 0; r < bm; ++r) s.pdt[c * BM + r] = st[c * BM + r] * s.keep[c * BM + r];
+    }
+    pd = s.pdt.data();
+  }
+
+  const T* dout_i = x.dout(b, h, i0);
+  if (want_dkdv) gemm_nn(bn, D, bm, pd, BM, dout_i, x.dout.si, s.dv.data(), D, true);  // dV += Pd^T dO
+
+  // dP^T = V_j dO_i^T;  dS^T = P^T * (dP^T * keep / (1 - p) - delta)
+  gemm_nn(bn, bm, D, x.v(b, hk, j0), x.v.si, x.dout_t + bh * D * Lq + i0, Lq, dpt, BM, false);
+  const T* delta = x.delta + bh * Lq + i0;
+  for (int64_t c = 0; c < bn; ++c) {
+    T* dp = dpt + c * BM;
+    const T* pr = st + c * BM;
+    if (p.dropout.enabled) {
+      const T* kr = s.keep.data() + c * BM;
+      for (int64_t r = 0; r < bm; ++r) dp[r] = pr[r] * (dp[r] * kr[r] - delta[r]);
+    } else {
+      int64_t r = 0;
+      for (; r + W <= bm; r += W) {
+        (Vec<T>::loadu(pr + r) * (Vec<T>::loadu(dp + r) - Vec<T>::loadu(delta + r))).store(dp + r);
+      }
+      for (; r < bm; ++r) dp[r] = pr[r] * (dp[r] - delta[r]);
+    }
+  }
+  if (x.dmask && want_dkdv) {  // the gradient of an additive mask is dS itself
+    T* dm = x.dmask + (bh * Lq + i0) * Lk + j0;
+    for (int64_t c = 0; c < bn; ++c) {
+      for (int64_t r = 0; r < bm; ++r) dm[r * Lk + c] = dpt[c * BM + r];
+    }
+  }
+  // both remaining products carry the score scale: fold it into dS once
+  for (int64_t c = 0; c < bn; ++c) scale_row(dpt + c * BM, bm, T(p.scale));
+
+  if (want_dkdv) gemm_nn(bn, D, bm, dpt, BM, x.q(b, h, i0), x.q.si, s.dk.data(), D, true);  // dK += dS^T Q
+  if (want_dq) {
+    // dQ^T += K_j^T dS^T
+    gemm_nn(D, bm, bn, x.kt + (b * p.Hkv + hk) * D * Lk + j0, Lk, dpt, BM, x.dq_t + bh * D * Lq + i0, Lq, true);
+  }
+}
+
+enum class BwdSchedule { kFused, kSplit };
+
+BwdSchedule choose_schedule(int64_t n_fused_items) {
+  const char* env = std::getenv("FASTTRANS_CPU_ATTENTION_BWD");
+  const std::string mode = env ? env : "";
+  if (mode == "fused") return BwdSchedule::kFused;
+  if (mode == "split") return BwdSchedule::kSplit;
+  TORCH_CHECK(mode.empty() || mode == "auto", "FASTTRANS_CPU_ATTENTION_BWD: expected 'fused', 'split' or 'auto', got '",
+              mode, "'");
+  // The split schedule costs 7/5 of the GEMM work, so it only pays when the fused items
+  // would leave more than ~30% of the threads idle in the last round.
+  const int64_t threads = at::get_num_threads();
+  const int64_t rounds = (n_fused_items + threads - 1) / threads;
+  const double occupancy = static_cast<double>(n_fused_items) / static_cast<double>(rounds * threads);
+  return occupancy >= 0.7 ? BwdSchedule::kFused : BwdSchedule::kSplit;
+}
+
+template <typename scalar_t>
+void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>>& x, at::Tensor& dk, at::Tensor& dv) {
+  using T = acc_t<scalar_t>;
+  const int64_t D = p.D, BM = kBwdBlockM, BN = kBwdBlockN;
+  const int64_t n_kb = (p.Lk + BN - 1) / BN;
+  const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
+  auto make_scratch = [&] { return BwdScratch<T>(BM, BN, D, p.dropout.enabled); };
+
+  // dK, dV of key tile [j0, j0 + BN) of kv head hk (all its query heads), plus dQ if asked.
+  auto key_tile = [&](BwdScratch<T>& s, int64_t b, int64_t hk, int64_t kb, bool want_dq) {
+    const int64_t j0 = kb * BN, bn = std::min(BN, p.Lk - j0);
+    const int64_t visible = std::clamp<int64_t>(p.kv_len(b) - j0, 0, bn);  // keys past key_lengths: zero grads
+    std::fill(s.dk.begin(), s.dk.end(), T(0));
+    std::fill(s.dv.begin(), s.dv.end(), T(0));
+    if (visible > 0) {
+      for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+        for (int64_t i0 = p.q_begin(j0); i0 < p.Lq; i0 += BM) {
+          bwd_tile(p, x, s, BM, b, h, i0, std::min(BM, p.Lq - i0), j0, visible, true, want_dq);
+        }
+      }
+    }
+    for (int64_t c = 0; c < bn; ++c) {
+      store_scaled(s.dk.data() + c * D, dk_rows(b, hk, j0 + c), D, T(1));
+      store_scaled(s.dv.data() + c * D, dv_rows(b, hk, j0 + c), D, T(1));
+    }
+  };
+
+  if (choose_schedule(p.B * p.Hkv) == BwdSchedule::kFused) {
+    parallel_items(p.B * p.Hkv, make_scratch, [&](int64_t item, BwdScratch<T>& s) {
+      for (int64_t kb = 0; kb < n_kb; ++kb) key_tile(s, item / p.Hkv, item % p.Hkv, kb, true);
+    });
+    return;
+  }
+  parallel_items(p.B * p.Hkv * n_kb, make_scratch, [&](int64_t item, BwdScratch<T>& s) {
+    key_tile(s, item / (p.Hkv * n_kb), (item / n_kb) % p.Hkv, item % n_kb, false);
+  });
+  const int64_t n_qb = (p.Lq + BM - 1) / BM;
+  parallel_items(p.B * p.H * n_qb, make_scratch, [&](int64_t item, BwdScratch<T>& s) {
+    const int64_t bh = item / n_qb, b = bh / p.H, h = bh % p.H;
+    const int64_t i0 = (item % n_qb) * BM, bm = std::min(BM, p.Lq - i0);
+    const int64_t kv_end = p.kv_end(b, i0, bm);
+    for (int64_t j0 = 0; j0 < kv_end; j0 += BN) bwd_tile(p, x, s, BM, b, h, i0, bm, j0, std::min(BN, kv_end - j0), false, true);
+  });
+}
+
+// delta[b, h, i] = rowsum(dO * O): the softmax-Jacobian term shared by a row's tiles.
+template <typename T>
+void compute_delta(const at::Tensor& dout, const at::Tensor& out, at::Tensor& delta) {
+  const Rows<const T> dout_rows(dout), out_rows(out);
+  const int64_t H = dout.size(1), L = dout.size(2), D = dout.size(3);
+  T* data = delta.data_ptr<T>();
+  at::parallel_for(0, dout.size(0) * H * L, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (H * L), h = (row / L) % H, i = row % L;
+      data[row] = dot(dout_rows(b, h, i), out_rows(b, h, i), D);
+    }
+  });
+}
+
+}  // namespace
+
+// --------------------------------------------------------------------------------------
+// Op entry points
+// --------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& attn_mask,
+                                                 const std::optional<at::Tensor>& key_lengths, bool is_causal,
+                                                 int64_t causal_offset, double dropout_p, double scale, int64_t seed) {
+  check_qkv(q_in, k, v);
+  const at::Tensor q = rows_in_place(q_in);
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto mask = canonical_mask(attn_mask, q, k);
+  const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
+  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
+
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
+  if (out.numel() == 0) return {out, lse};
+  const at::Tensor kt = transposed_copy(k, acc);  // (B, Hkv, D, Lk): the K-major B operand of S = Q K^T
+  const at::Tensor vn = rows_as(v, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_fwd_extension", [&] {
+    attention_fwd_kernel<scalar_t>(p, q, kt, vn, out, lse);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths,
+    bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad) {
+  check_qkv(q, k, v);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ",
+              q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+              "lse: expected shape (B, H, Lq) = ", q.sizes().slice(0, 3), ", got ", lse.sizes());
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto mask = canonical_mask(attn_mask, q, k);
+  TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
+              "mask_grad: the gradient of attn_mask needs a floating-point attn_mask");
+  const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
+  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dmask = mask_grad ? at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(acc))
+                               : at::empty({0}, q.options().dtype(acc));
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dmask};
+  }
+
+  // Operands in the accumulation dtype; the transposed copies are the K-major B operands.
+  const at::Tensor qn = rows_as(q, acc), kn = rows_as(k, acc), vn = rows_as(v, acc);
+  const at::Tensor dout_n = rows_as(dout, acc), out_n = rows_as(out, acc);
+  const at::Tensor qt = transposed_copy(q, acc), dout_t = transposed_copy(dout, acc), kt = transposed_copy(k, acc);
+  const at::Tensor lse_c = lse.to(acc).contiguous();
+  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
+  at::Tensor dq_t = at::zeros({p.B, p.H, p.D, p.Lq}, q.options().dtype(acc));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_bwd_extension", [&] {
+    using T = acc_t<scalar_t>;
+    compute_delta<T>(dout_n, out_n, delta);
+    const BwdOperands<T> x{Rows<const T>(qn),
+                           Rows<const T>(dout_n),
+                           Rows<const T>(kn),
+                           Rows<const T>(vn),
+                           qt.data_ptr<T>(),
+                           dout_t.data_ptr<T>(),
+                           kt.data_ptr<T>(),
+                           lse_c.data_ptr<T>(),
+                           delta.data_ptr<T>(),
+                           dq_t.data_ptr<T>(),
+                           mask_grad ? dmask.data_ptr<T>() : nullptr};
+    attention_bwd_kernel<scalar_t>(p, x, dk, dv);
+  });
+  dq.copy_(dq_t.transpose(2, 3));
+  return {dq, dk, dv, dmask};
+}
+
+at::Tensor attention_dropout_mask(const at::Tensor& q, const at::Tensor& k, double dropout_p, int64_t seed) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "q, k: expected 4-D tensors, got shapes ", q.sizes(), " and ",
+              k.sizes());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  at::Tensor keep = at::empty({B, H, Lq, Lk}, q.options().dtype(at::kBool));
+  const Dropout d = make_dropout(dropout_p, seed);
+  bool* data = keep.data_ptr<bool>();
+  at::parallel_for(0, B * H * Lq, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      dropout_keep_row(d, row / (H * Lq), (row / Lq) % H, row % Lq, 0, Lk, data + row * Lk);
+    }
+  });
+  return keep;
+}
+
+}  // namespace fasttrans::cpu

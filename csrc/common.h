@@ -1,0 +1,312 @@
+// Shared pieces of the CPU kernels: accumulation types, the tile GEMM, vectorised row
+// helpers, strided mask rows, dropout rows and a dynamically scheduled parallel loop.
+//
+// Compiled with the host's vector ISA: fasttrans/extension.py probes the compiler and
+// defines CPU_CAPABILITY=AVX512 / AVX2 before any ATen vector header is seen, so
+// at::vec::Vectorized<float> below is a real SIMD register, not the scalar fallback.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "philox.h"
+
+namespace fasttrans::cpu {
+
+// fp64 inputs accumulate in fp64 (gradcheck); everything else in fp32.
+template <typename scalar_t>
+using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// --------------------------------------------------------------------------------------
+// Tile GEMM: C (M x N, ldc) [+]= A (M x K, lda) * B (K x N, ldb), all row-major.
+// --------------------------------------------------------------------------------------
+// fp32 goes to oneDNN's brgemm micro-kernel through ATen (exported by libtorch_cpu; the
+// kernel is JIT-generated once per shape and cached per thread). ATen's cpublas::gemm is
+// not exported, and `a @ b` costs microseconds of dispatch per tile. brgemm has no
+// transpose flags: callers arrange for B to be stored K-major (see attention_cpu.cpp).
+inline void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                    float* C, int64_t ldc, bool add_C) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C);
+}
+
+// fp64 exists for gradcheck only: a plain loop nest (the inner loop over N is contiguous
+// in B and C and vectorises), no blocking.
+inline void gemm_nn(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
+                    double* C, int64_t ldc, bool add_C) {
+  for (int64_t m = 0; m < M; ++m) {
+    double* c = C + m * ldc;
+    if (!add_C) std::fill(c, c + N, 0.0);
+    for (int64_t k = 0; k < K; ++k) {
+      const double a = A[m * lda + k];
+      const double* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------
+// Vectorised row helpers (T = float or double)
+// --------------------------------------------------------------------------------------
+template <typename T>
+using Vec = at::vec::Vectorized<T>;
+
+template <typename T>
+inline Vec<T> vexp(const Vec<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();  // ~20 ulp polynomial; exp(-inf) = 0 (attention probabilities)
+  } else {
+    return x.exp();
+  }
+}
+
+// Sum of a vector's lanes in a fixed order (deterministic).
+template <typename T>
+inline T lane_sum(const Vec<T>& v) {
+  alignas(64) T tmp[Vec<T>::size()];
+  v.store(tmp);
+  T s = 0;
+  for (int64_t k = 0; k < Vec<T>::size(); ++k) s += tmp[k];
+  return s;
+}
+
+template <typename T>
+inline T lane_max(const Vec<T>& v) {
+  alignas(64) T tmp[Vec<T>::size()];
+  v.store(tmp);
+  T m = tmp[0];
+  for (int64_t k = 1; k < Vec<T>::size(); ++k) m = std::max(m, tmp[k]);
+  return m;
+}
+
+template <typename T>
+inline T row_max(const T* x, int64_t n) {
+  constexpr int64_t W = Vec<T>::size();
+  int64_t k = 0;
+  T m = neg_inf<T>();
+  if (n >= W) {
+    Vec<T> vm = Vec<T>::loadu(x);
+    for (k = W; k + W <= n; k += W) vm = at::vec::maximum(vm, Vec<T>::loadu(x + k));
+    m = lane_max(vm);
+  }
+  for (; k < n; ++k) m = std::max(m, x[k]);
+  return m;
+}
+
+// x[k] = exp(x[k] - m); returns the sum of the new x.
+template <typename T>
+inline T exp_sub_sum(T* x, int64_t n, T m) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vm(m);
+  Vec<T> acc(T(0));
+  int64_t k = 0;
+  for (; k + W <= n; k += W) {
+    Vec<T> e = vexp(Vec<T>::loadu(x + k) - vm);
+    e.store(x + k);
+    acc = acc + e;
+  }
+  if (k < n) {
+    Vec<T> e = vexp(Vec<T>::loadu(x + k, n - k) - vm);
+    e.store(x + k, n - k);
+    // lanes past n were loaded as 0 and became exp(-m): keep them out of the sum
+    alignas(64) T tmp[W];
+    e.store(tmp);
+    T s = lane_sum(acc);
+    for (int64_t t = 0; t < n - k; ++t) s += tmp[t];
+    return s;
+  }
+  return lane_sum(acc);
+}
+
+template <typename T>
+inline void scale_row(T* x, int64_t n, T a) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> va(a);
+  int64_t k = 0;
+  for (; k + W <= n; k += W) (Vec<T>::loadu(x + k) * va).store(x + k);
+  if (k < n) (Vec<T>::loadu(x + k, n - k) * va).store(x + k, n - k);
+}
+
+template <typename T>
+inline T dot(const T* x, const T* y, int64_t n) {
+  constexpr int64_t W = Vec<T>::size();
+  Vec<T> acc(T(0));
+  int64_t k = 0;
+  for (; k + W <= n; k += W) acc = at::vec::fmadd(Vec<T>::loadu(x + k), Vec<T>::loadu(y + k), acc);
+  if (k < n) acc = at::vec::fmadd(Vec<T>::loadu(x + k, n - k), Vec<T>::loadu(y + k, n - k), acc);
+  return lane_sum(acc);
+}
+
+// dst[k] = T(src[k]) * a   (src in any float dtype; a conversion and a scale in one pass)
+template <typename src_t, typename T>
+inline void load_scaled(const src_t* src, T* dst, int64_t n, T a) {
+  if constexpr (std::is_same_v<src_t, T>) {
+    constexpr int64_t W = Vec<T>::size();
+    const Vec<T> va(a);
+    int64_t k = 0;
+    for (; k + W <= n; k += W) (Vec<T>::loadu(src + k) * va).store(dst + k);
+    if (k < n) (Vec<T>::loadu(src + k, n - k) * va).store(dst + k, n - k);
+  } else {
+    at::vec::convert(src, dst, n);
+    if (a != T(1)) scale_row(dst, n, a);
+  }
+}
+
+// dst[k] = out_t(src[k] * a)
+template <typename T, typename out_t>
+inline void store_scaled(const T* src, out_t* dst, int64_t n, T a) {
+  if constexpr (std::is_same_v<out_t, T>) {
+    constexpr int64_t W = Vec<T>::size();
+    const Vec<T> va(a);
+    int64_t k = 0;
+    for (; k + W <= n; k += W) (Vec<T>::loadu(src + k) * va).store(dst + k);
+    if (k < n) (Vec<T>::loadu(src + k, n - k) * va).store(dst + k, n - k);
+  } else {
+    for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<out_t>(src[k] * a);
+  }
+}
+
+// --------------------------------------------------------------------------------------
+// Dense attention masks, read through their strides (broadcast dims have stride 0)
+// --------------------------------------------------------------------------------------
+enum class MaskKind { kNone, kBool, kFloat, kDouble, kBFloat16, kHalf };
+
+struct MaskView {
+  MaskKind kind = MaskKind::kNone;
+  const void* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_i = 0, stride_j = 0;  // in elements
+
+  explicit operator bool() const { return kind != MaskKind::kNone; }
+};
+
+inline MaskView make_mask_view(const std::optional<at::Tensor>& mask) {
+  MaskView m;
+  if (!mask.has_value() || !mask->defined()) return m;
+  const at::Tensor& t = *mask;
+  TORCH_CHECK(t.dim() == 4, "attn_mask: expected a 4-D (B, H, Lq, Lk) view, got ", t.dim(), " dims");
+  switch (t.scalar_type()) {
+    case at::kBool: m.kind = MaskKind::kBool; break;
+    case at::kFloat: m.kind = MaskKind::kFloat; break;
+    case at::kDouble: m.kind = MaskKind::kDouble; break;
+    case at::kBFloat16: m.kind = MaskKind::kBFloat16; break;
+    case at::kHalf: m.kind = MaskKind::kHalf; break;
+    default: TORCH_CHECK(false, "attn_mask: expected a bool or floating-point mask, got ", t.scalar_type());
+  }
+  m.data = t.data_ptr();
+  m.stride_b = t.stride(0);
+  m.stride_h = t.stride(1);
+  m.stride_i = t.stride(2);
+  m.stride_j = t.stride(3);
+  return m;
+}
+
+template <typename mask_t, typename T>
+inline void load_mask_values(const mask_t* p, int64_t sj, int64_t n, T* out) {
+  if (sj == 1) {
+    for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(static_cast<float>(p[c]));
+  } else {
+    for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(static_cast<float>(p[c * sj]));
+  }
+}
+
+// out[c] = the additive mask for score (b, h, i, j0 + c): a float mask's value, or 0 / -inf
+// for a bool mask (True = may attend).
+template <typename T>
+inline void load_mask_row(const MaskView& m, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
+  const int64_t off = b * m.stride_b + h * m.stride_h + i * m.stride_i + j0 * m.stride_j;
+  const int64_t sj = m.stride_j;
+  switch (m.kind) {
+    case MaskKind::kBool: {
+      const bool* p = static_cast<const bool*>(m.data) + off;
+      for (int64_t c = 0; c < n; ++c) out[c] = p[c * sj] ? T(0) : neg_inf<T>();
+      break;
+    }
+    case MaskKind::kFloat: {
+      const float* p = static_cast<const float*>(m.data) + off;
+      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(p[c * sj]);
+      break;
+    }
+    case MaskKind::kDouble: {
+      const double* p = static_cast<const double*>(m.data) + off;
+      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(p[c * sj]);
+      break;
+    }
+    case MaskKind::kBFloat16:
+      load_mask_values(static_cast<const c10::BFloat16*>(m.data) + off, sj, n, out);
+      break;
+    case MaskKind::kHalf:
+      load_mask_values(static_cast<const c10::Half*>(m.data) + off, sj, n, out);
+      break;
+    case MaskKind::kNone:
+      std::fill(out, out + n, T(0));
+      break;
+  }
+}
+
+// --------------------------------------------------------------------------------------
+// Dropout rows (see philox.h for the definition of the mask)
+// --------------------------------------------------------------------------------------
+struct Dropout {
+  bool enabled = false;
+  uint64_t seed = 0;
+  uint32_t threshold = 0;
+  double inv_keep = 1.0;  // 1 / (1 - p)
+};
+
+inline Dropout make_dropout(double p, int64_t seed) {
+  Dropout d;
+  d.enabled = p > 0.0;
+  d.seed = static_cast<uint64_t>(seed);
+  d.threshold = dropout_threshold(p);
+  d.inv_keep = d.enabled ? 1.0 / (1.0 - p) : 1.0;
+  return d;
+}
+
+// out[c] = keep(b, h, i, j0 + c) ? 1 : 0
+template <typename T>
+inline void dropout_keep_row(const Dropout& d, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
+  int64_t j = j0;
+  const int64_t end = j0 + n;
+  while (j < end) {
+    const Philox4 r = dropout_words(d.seed, b, h, i, j >> 2);
+    for (int64_t t = j & 3; t < 4 && j < end; ++t, ++j) {
+      out[j - j0] = dropout_keep_word(r.w[t], d.threshold) ? T(1) : T(0);
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------
+// Parallel loop over independent work items with dynamic claiming
+// --------------------------------------------------------------------------------------
+// Each item writes only its own outputs, so results do not depend on which thread ran it
+// or in which order: the loop is deterministic while balancing uneven items (causal
+// triangles, ragged key lengths). `make_scratch()` builds one per-thread workspace.
+template <typename MakeScratch, typename Body>
+void parallel_items(int64_t n_items, const MakeScratch& make_scratch, const Body& body) {
+  if (n_items <= 0) return;
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    auto scratch = make_scratch();
+    for (int64_t item = next.fetch_add(1); item < n_items; item = next.fetch_add(1)) body(item, scratch);
+  });
+}
+
+}  // namespace fasttrans::cpu

@@ -1,0 +1,528 @@
+// LayerNorm, add + LayerNorm and RMSNorm on the CPU, forward and backward.
+//
+// Forward, per row of N (rows in parallel; fp32 statistics, fp64 for fp64 inputs):
+//     h    = x + residual            (rounded to x's dtype, exactly what torch's add gives)
+//     mean = h[0] + sum(h - h[0]) / N                         shifted sum (see below)
+//     var  = sum((h - mean)^2) / N                            second pass over the cached row,
+//     rstd = 1 / sqrt(var + eps)                              never E[h^2] - E[h]^2
+//     y    = (h - mean) * rstd * w + b
+// RMSNorm: mean = 0 and rstd = 1 / sqrt(sum(h^2) / N + eps).
+//
+// Backward, with xhat = (h - mean) * rstd and g = dy * w:
+//     dh = rstd * (g - mean(g) - xhat * mean(g * xhat))      [+ the gradient flowing into h]
+//     (RMSNorm drops the mean(g) term)
+//     dw = sum_rows dy * xhat,   db = sum_rows dy
+// dw/db are reduced deterministically: rows are cut into fixed chunks (independent of the
+// thread count), each chunk writes its own fp32 partial row, and the partials are summed in
+// chunk order. No atomics, and the same bits on any number of threads.
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+#include <initializer_list>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+#include "ops.h"
+
+namespace fasttrans::cpu {
+namespace {
+
+// Rows per backward chunk: at least 64 (enough work per partial row), and at most ~256
+// chunks so the partial buffers stay small next to the input.
+int64_t rows_per_chunk(int64_t M) {
+  return std::max<int64_t>(64, (M + 255) / 256);
+}
+
+// Row-parallel grain: about 32K elements per task.
+int64_t row_grain(int64_t N) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
+}
+
+// --------------------------------------------------------------------------------------
+// Writing rows out
+// --------------------------------------------------------------------------------------
+// Outputs much larger than the caches are written with non-temporal (streaming) stores:
+// an ordinary store first reads the destination line into the cache (read-for-ownership),
+// so a write-only output costs twice its size in memory traffic. The norms are memory-bound
+// (a few flops per element), so for big tensors this is the largest single cost. Small
+// outputs keep ordinary stores: they stay in cache for whoever reads them next.
+constexpr int64_t kStreamBytes = int64_t(4) << 20;
+
+bool use_streaming_stores(int64_t output_bytes) {
+  return output_bytes >= kStreamBytes;
+}
+
+template <typename T>
+void write_row(const T* src, T* dst, int64_t n, bool stream) {
+  const char* s = reinterpret_cast<const char*>(src);
+  char* d = reinterpret_cast<char*>(dst);
+  size_t bytes = static_cast<size_t>(n) * sizeof(T);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (stream) {
+#if defined(CPU_CAPABILITY_AVX512)
+    constexpr size_t kLine = 64;
+#else
+    constexpr size_t kLine = 32;
+#endif
+    // ordinary stores up to the first aligned address, streaming stores for whole vectors
+    const size_t head = std::min(bytes, (kLine - reinterpret_cast<uintptr_t>(d) % kLine) % kLine);
+    std::memcpy(d, s, head);
+    s += head;
+    d += head;
+    bytes -= head;
+    for (; bytes >= kLine; bytes -= kLine, s += kLine, d += kLine) {
+#if defined(CPU_CAPABILITY_AVX512)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#else
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+#endif
+    }
+  }
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+// Streaming stores are weakly ordered: fence them before the task reports completion.
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Rows can be streamed straight from the compute loop (no row buffer) when the output is
+// fp32/fp64 and every row starts on a vector boundary.
+template <typename scalar_t>
+bool can_stream_direct(bool stream, int64_t N, std::initializer_list<const void*> rows0) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  using T = acc_t<scalar_t>;
+  constexpr int64_t kBytes = Vec<T>::size() * sizeof(T);
+  if (!stream || !std::is_same_v<scalar_t, T> || (N * static_cast<int64_t>(sizeof(T))) % kBytes != 0) return false;
+  for (const void* p : rows0) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % kBytes != 0) return false;
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+// A non-temporal store of one full vector to an aligned address (see can_stream_direct).
+template <typename T>
+inline void stream_vec(T* dst, const Vec<T>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_stream_ps(dst, v);
+  } else {
+    _mm512_stream_pd(dst, v);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_stream_ps(dst, v);
+  } else {
+    _mm256_stream_pd(dst, v);
+  }
+#else
+  v.store(dst);
+#endif
+}
+
+// sum(x - shift), four independent accumulator chains (the add latency, not the loads,
+// would otherwise bound the pass)
+template <typename T>
+T sum_row_shifted(const T* x, int64_t n, T shift) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vs(shift);
+  Vec<T> a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+  int64_t k = 0;
+  for (; k + 4 * W <= n; k += 4 * W) {
+    a0 = a0 + (Vec<T>::loadu(x + k) - vs);
+    a1 = a1 + (Vec<T>::loadu(x + k + W) - vs);
+    a2 = a2 + (Vec<T>::loadu(x + k + 2 * W) - vs);
+    a3 = a3 + (Vec<T>::loadu(x + k + 3 * W) - vs);
+  }
+  for (; k + W <= n; k += W) a0 = a0 + (Vec<T>::loadu(x + k) - vs);
+  T s = lane_sum((a0 + a1) + (a2 + a3));
+  for (; k < n; ++k) s += x[k] - shift;
+  return s;
+}
+
+// sum(((x - shift) - d)^2): the centred second moment (d = mean - shift)
+template <typename T>
+T sum_sq_dev2(const T* x, int64_t n, T shift, T d) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vs(shift), vd(d);
+  Vec<T> a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+  int64_t k = 0;
+  for (; k + 4 * W <= n; k += 4 * W) {
+    const Vec<T> e0 = (Vec<T>::loadu(x + k) - vs) - vd, e1 = (Vec<T>::loadu(x + k + W) - vs) - vd;
+    const Vec<T> e2 = (Vec<T>::loadu(x + k + 2 * W) - vs) - vd, e3 = (Vec<T>::loadu(x + k + 3 * W) - vs) - vd;
+    a0 = at::vec::fmadd(e0, e0, a0);
+    a1 = at::vec::fmadd(e1, e1, a1);
+    a2 = at::vec::fmadd(e2, e2, a2);
+    a3 = at::vec::fmadd(e3, e3, a3);
+  }
+  for (; k + W <= n; k += W) {
+    const Vec<T> e = (Vec<T>::loadu(x + k) - vs) - vd;
+    a0 = at::vec::fmadd(e, e, a0);
+  }
+  T s = lane_sum((a0 + a1) + (a2 + a3));
+  for (; k < n; ++k) {
+    const T e = (x[k] - shift) - d;
+    s += e * e;
+  }
+  return s;
+}
+
+template <typename scalar_t>
+void norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& bias,
+                     double eps, bool rms, at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
+  using T = acc_t<scalar_t>;
+  constexpr int64_t W = Vec<T>::size();
+  const int64_t M = x.size(0), N = x.size(1);
+  const scalar_t* x_data = x.data_ptr<scalar_t>();
+  const int64_t ldx = x.stride(0);
+  const scalar_t* r_data = residual.defined() ? residual.data_ptr<scalar_t>() : nullptr;
+  const int64_t ldr = residual.defined() ? residual.stride(0) : 0;
+  scalar_t* h_data = residual.defined() ? h.data_ptr<scalar_t>() : nullptr;
+  const T* w_data = w.defined() ? w.data_ptr<T>() : nullptr;
+  const T* b_data = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  scalar_t* y_data = y.data_ptr<scalar_t>();
+  T* mean_data = rms ? nullptr : mean.data_ptr<T>();
+  T* rstd_data = rstd.data_ptr<T>();
+  const bool stream = use_streaming_stores(M * N * static_cast<int64_t>(sizeof(scalar_t)));
+  const bool direct = can_stream_direct<scalar_t>(stream, N, {y_data, h_data});
+
+  at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+    // per-task row buffers (L1-resident): h and y are finished here, then written out once
+    std::vector<T> hbuf(N), ybuf(N);
+    std::vector<scalar_t> out_buf(std::is_same_v<scalar_t, T> ? 0 : N);
+    for (int64_t i = begin; i < end; ++i) {
+      // the row of h in the accumulation dtype, cached for the passes below
+      const T* hr;
+      if (r_data) {
+        const scalar_t* xi = x_data + i * ldx;
+        const scalar_t* ri = r_data + i * ldr;
+        if constexpr (std::is_same_v<scalar_t, T>) {
+          int64_t k = 0;
+          for (; k + W <= N; k += W) {
+            const Vec<T> v = Vec<T>::loadu(xi + k) + Vec<T>::loadu(ri + k);
+            v.store(hbuf.data() + k);
+            if (direct) stream_vec(h_data + i * N + k, v);
+          }
+          if (k < N) (Vec<T>::loadu(xi + k, N - k) + Vec<T>::loadu(ri + k, N - k)).store(hbuf.data() + k, N - k);
+          if (!direct) write_row(hbuf.data(), h_data + i * N, N, stream);
+        } else {
+          for (int64_t k = 0; k < N; ++k) {
+            out_buf[k] = static_cast<scalar_t>(static_cast<T>(xi[k]) + static_cast<T>(ri[k]));  // as torch's add
+            hbuf[k] = static_cast<T>(out_buf[k]);
+          }
+          write_row(out_buf.data(), h_data + i * N, N, stream);
+        }
+        hr = hbuf.data();
+      } else if constexpr (std::is_same_v<scalar_t, T>) {
+        hr = x_data + i * ldx;
+      } else {
+        at::vec::convert(x_data + i * ldx, hbuf.data(), N);
+        hr = hbuf.data();
+      }
+
+      // The mean is carried as shift + d with shift = h[0]: h - shift is exact for values
+      // near the mean (Sterbenz), so d and the deviations keep full precision even for rows
+      // like 1e4 + noise, where a rounded fp32 mean alone is off by a visible part of the std.
+      const T shift = rms ? T(0) : hr[0];
+      const T d = rms ? T(0) : sum_row_shifted(hr, N, shift) / static_cast<T>(N);
+      const T rs = T(1) / std::sqrt(sum_sq_dev2(hr, N, shift, d) / static_cast<T>(N) + static_cast<T>(eps));
+      if (!rms) mean_data[i] = shift + d;
+      rstd_data[i] = rs;
+
+      T* yo = ybuf.data();
+      const Vec<T> vshift(shift), vd(d), vrs(rs);
+      int64_t k = 0;
+      for (; k + W <= N; k += W) {
+        Vec<T> v = ((Vec<T>::loadu(hr + k) - vshift) - vd) * vrs;
+        if (w_data) v = v * Vec<T>::loadu(w_data + k);
+        if (b_data) v = v + Vec<T>::loadu(b_data + k);
+        if (direct) {
+          stream_vec(reinterpret_cast<T*>(y_data + i * N) + k, v);
+        } else {
+          v.store(yo + k);
+        }
+      }
+      for (; k < N; ++k) {  // never reached when direct (N is a multiple of W)
+        T v = ((hr[k] - shift) - d) * rs;
+        if (w_data) v *= w_data[k];
+        if (b_data) v += b_data[k];
+        yo[k] = v;
+      }
+      if constexpr (std::is_same_v<scalar_t, T>) {
+        if (!direct) write_row(yo, y_data + i * N, N, stream);
+      } else {
+        at::vec::convert(yo, out_buf.data(), N);
+        write_row(out_buf.data(), y_data + i * N, N, stream);
+      }
+    }
+    if (stream) stream_fence();
+  });
+}
+
+// Rows are processed in groups of kRowGroup: pass 1 computes each row's two means, pass 2
+// walks the group column-block by column-block, so the partial dw / db rows are loaded and
+// stored once per group instead of once per row (they would otherwise dominate the L1 traffic).
+constexpr int64_t kRowGroup = 4;
+
+template <typename scalar_t>
+void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& w,
+                     const at::Tensor& mean, const at::Tensor& rstd, bool rms, bool want_dw, bool want_db,
+                     at::Tensor& dx, at::Tensor& dw_part, at::Tensor& db_part) {
+  using T = acc_t<scalar_t>;
+  constexpr int64_t W = Vec<T>::size();
+  constexpr bool kSame = std::is_same_v<scalar_t, T>;
+  const int64_t M = h.size(0), N = h.size(1);
+  const scalar_t* dy_data = dy.data_ptr<scalar_t>();
+  const int64_t lddy = dy.stride(0);
+  const scalar_t* dh_data = dh.defined() ? dh.data_ptr<scalar_t>() : nullptr;
+  const int64_t lddh = dh.defined() ? dh.stride(0) : 0;
+  const scalar_t* h_data = h.data_ptr<scalar_t>();
+  const int64_t ldh = h.stride(0);
+  const T* w_data = w.defined() ? w.data_ptr<T>() : nullptr;
+  const T* mean_data = rms ? nullptr : mean.data_ptr<T>();
+  const T* rstd_data = rstd.data_ptr<T>();
+  scalar_t* dx_data = dx.data_ptr<scalar_t>();
+  const int64_t R = rows_per_chunk(M);
+  const int64_t n_chunks = (M + R - 1) / R;
+  T* dw_data = want_dw ? dw_part.data_ptr<T>() : nullptr;  // (n_chunks, N)
+  T* db_data = want_db ? db_part.data_ptr<T>() : nullptr;
+  const T inv_n = T(1) / static_cast<T>(N);
+  const bool stream = use_streaming_stores(M * N * static_cast<int64_t>(sizeof(scalar_t)));
+  const bool direct = can_stream_direct<scalar_t>(stream, N, {dx_data});
+
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    // rows in the accumulation dtype: converted copies for fp16/bf16, else unused
+    const int64_t conv = kSame ? 0 : kRowGroup * N;
+    std::vector<T> hbuf(conv), dybuf(conv), dhbuf(dh_data ? conv : 0), dxbuf(kRowGroup * N);
+    std::vector<scalar_t> out_buf(kSame ? 0 : N);
+    for (int64_t chunk = c_begin; chunk < c_end; ++chunk) {
+      T* dwp = dw_data ? dw_data + chunk * N : nullptr;
+      T* dbp = db_data ? db_data + chunk * N : nullptr;
+      if (dwp) std::fill(dwp, dwp + N, T(0));
+      if (dbp) std::fill(dbp, dbp + N, T(0));
+      const int64_t chunk_end = std::min(M, (chunk + 1) * R);
+      for (int64_t i0 = chunk * R; i0 < chunk_end; i0 += kRowGroup) {
+        const int64_t G = std::min(kRowGroup, chunk_end - i0);
+        const T* hr[kRowGroup];
+        const T* dyr[kRowGroup];
+        const T* dhr[kRowGroup];
+        T mu[kRowGroup], rs[kRowGroup], mean_g[kRowGroup], mean_gx[kRowGroup];
+
+        // pass 1, per row: mean(g) and mean(g * xhat) with g = dy * w, xhat = (h - mean) * rstd
+        for (int64_t r = 0; r < G; ++r) {
+          const int64_t i = i0 + r;
+          if constexpr (kSame) {
+            hr[r] = h_data + i * ldh;
+            dyr[r] = dy_data + i * lddy;
+            dhr[r] = dh_data ? dh_data + i * lddh : nullptr;
+          } else {
+            at::vec::convert(h_data + i * ldh, hbuf.data() + r * N, N);
+            at::vec::convert(dy_data + i * lddy, dybuf.data() + r * N, N);
+            hr[r] = hbuf.data() + r * N;
+            dyr[r] = dybuf.data() + r * N;
+            dhr[r] = nullptr;
+            if (dh_data) {
+              at::vec::convert(dh_data + i * lddh, dhbuf.data() + r * N, N);
+              dhr[r] = dhbuf.data() + r * N;
+            }
+          }
+          mu[r] = rms ? T(0) : mean_data[i];
+          rs[r] = rstd_data[i];
+          const Vec<T> vmu(mu[r]), vrs(rs[r]);
+          Vec<T> sg0(T(0)), sg1(T(0)), sgx0(T(0)), sgx1(T(0));
+          int64_t k = 0;
+          for (; k + 2 * W <= N; k += 2 * W) {
+            Vec<T> g0 = Vec<T>::loadu(dyr[r] + k), g1 = Vec<T>::loadu(dyr[r] + k + W);
+            if (w_data) {
+              g0 = g0 * Vec<T>::loadu(w_data + k);
+              g1 = g1 * Vec<T>::loadu(w_data + k + W);
+            }
+            sg0 = sg0 + g0;
+            sg1 = sg1 + g1;
+            sgx0 = at::vec::fmadd(g0, (Vec<T>::loadu(hr[r] + k) - vmu) * vrs, sgx0);
+            sgx1 = at::vec::fmadd(g1, (Vec<T>::loadu(hr[r] + k + W) - vmu) * vrs, sgx1);
+          }
+          T sum_g = lane_sum(sg0 + sg1), sum_gx = lane_sum(sgx0 + sgx1);
+          for (; k < N; ++k) {
+            const T g = w_data ? dyr[r][k] * w_data[k] : dyr[r][k];
+            sum_g += g;
+            sum_gx += g * ((hr[r][k] - mu[r]) * rs[r]);
+          }
+          mean_g[r] = rms ? T(0) : sum_g * inv_n;
+          mean_gx[r] = sum_gx * inv_n;
+        }
+
+        // pass 2, column block by column block over the group (rows are still in cache):
+        //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh];  dw += dy * xhat;  db += dy
+        int64_t k = 0;
+        for (; k + W <= N; k += W) {
+          const Vec<T> wv = w_data ? Vec<T>::loadu(w_data + k) : Vec<T>(T(1));
+          Vec<T> dwv = dwp ? Vec<T>::loadu(dwp + k) : Vec<T>(T(0));
+          Vec<T> dbv = dbp ? Vec<T>::loadu(dbp + k) : Vec<T>(T(0));
+          for (int64_t r = 0; r < G; ++r) {
+            const Vec<T> dyv = Vec<T>::loadu(dyr[r] + k);
+            const Vec<T> xv = (Vec<T>::loadu(hr[r] + k) - Vec<T>(mu[r])) * Vec<T>(rs[r]);
+            Vec<T> v = Vec<T>(rs[r]) * (dyv * wv - Vec<T>(mean_g[r]) - xv * Vec<T>(mean_gx[r]));
+            if (dhr[r]) v = v + Vec<T>::loadu(dhr[r] + k);
+            if (direct) {
+              stream_vec(reinterpret_cast<T*>(dx_data + (i0 + r) * N) + k, v);
+            } else {
+              v.store(dxbuf.data() + r * N + k);
+            }
+            dwv = at::vec::fmadd(dyv, xv, dwv);
+            dbv = dbv + dyv;
+          }
+          if (dwp) dwv.store(dwp + k);
+          if (dbp) dbv.store(dbp + k);
+        }
+        for (; k < N; ++k) {  // never reached when direct (N is a multiple of W)
+          for (int64_t r = 0; r < G; ++r) {
+            const T dyk = dyr[r][k];
+            const T xh = (hr[r][k] - mu[r]) * rs[r];
+            const T g = w_data ? dyk * w_data[k] : dyk;
+            T v = rs[r] * (g - mean_g[r] - xh * mean_gx[r]);
+            if (dhr[r]) v += dhr[r][k];
+            dxbuf[r * N + k] = v;
+            if (dwp) dwp[k] += dyk * xh;
+            if (dbp) dbp[k] += dyk;
+          }
+        }
+        if (!direct) {
+          for (int64_t r = 0; r < G; ++r) {
+            if constexpr (kSame) {
+              write_row(dxbuf.data() + r * N, dx_data + (i0 + r) * N, N, stream);
+            } else {
+              at::vec::convert(dxbuf.data() + r * N, out_buf.data(), N);
+              write_row(out_buf.data(), dx_data + (i0 + r) * N, N, stream);
+            }
+          }
+        }
+      }
+    }
+    if (stream) stream_fence();
+  });
+}
+
+// out[k] = sum over chunks c (in order) of part[c, k]
+template <typename T>
+at::Tensor reduce_partials(const at::Tensor& part, at::ScalarType out_dtype) {
+  const int64_t n_chunks = part.size(0), N = part.size(1);
+  at::Tensor sum = at::empty({N}, part.options());
+  const T* p = part.data_ptr<T>();
+  T* s = sum.data_ptr<T>();
+  at::parallel_for(0, N, 1024, [&](int64_t begin, int64_t end) {
+    std::fill(s + begin, s + end, T(0));
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      for (int64_t k = begin; k < end; ++k) s[k] += p[c * N + k];
+    }
+  });
+  return sum.to(out_dtype);
+}
+
+void check_rows(const char* name, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK(t.sizes() == x.sizes(), name, ": expected the shape of x ", x.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, ": expected the dtype of x (", x.scalar_type(), "), got ",
+              t.scalar_type());
+}
+
+// Rows with unit inner stride (any row stride); anything else gets a contiguous copy.
+at::Tensor unit_inner(const at::Tensor& t) {
+  return t.stride(1) == 1 || t.size(1) == 1 ? t : t.contiguous();
+}
+
+// weight / bias as contiguous (N,) vectors in the accumulation dtype, or undefined.
+at::Tensor param_as(const std::optional<at::Tensor>& p, const char* name, int64_t N, at::ScalarType acc) {
+  if (!p.has_value() || !p->defined()) return at::Tensor();
+  TORCH_CHECK(p->numel() == N, name, ": expected ", N, " elements (the normalized size), got shape ", p->sizes());
+  return p->reshape({N}).to(acc).contiguous();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& x_in,
+                                                                    const std::optional<at::Tensor>& residual_in,
+                                                                    const std::optional<at::Tensor>& weight,
+                                                                    const std::optional<at::Tensor>& bias, double eps,
+                                                                    bool rms) {
+  TORCH_CHECK(x_in.dim() == 2, "x: expected a 2-D (M, N) tensor, got shape ", x_in.sizes());
+  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()), "x: expected a floating-point dtype, got ", x_in.scalar_type());
+  const at::Tensor x = unit_inner(x_in);
+  const int64_t M = x.size(0), N = x.size(1);
+  const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor residual;
+  if (residual_in.has_value() && residual_in->defined()) {
+    check_rows("residual", *residual_in, x);
+    residual = unit_inner(*residual_in);
+  }
+  const at::Tensor w = param_as(weight, "weight", N, acc);
+  const at::Tensor b = rms ? at::Tensor() : param_as(bias, "bias", N, acc);
+
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor h = residual.defined() ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
+  at::Tensor mean = at::empty({rms ? 0 : M}, x.options().dtype(acc));
+  at::Tensor rstd = at::empty({M}, x.options().dtype(acc));
+  if (M == 0 || N == 0) return {y, h, mean, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd_extension", [&] {
+    norm_fwd_kernel<scalar_t>(x, residual, w, b, eps, rms, y, h, mean, rstd);
+  });
+  return {y, h, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in, const std::optional<at::Tensor>& dh_in,
+                                                        const at::Tensor& h_in, const std::optional<at::Tensor>& weight,
+                                                        const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+                                                        const at::Tensor& rstd, bool rms) {
+  TORCH_CHECK(h_in.dim() == 2, "h: expected a 2-D (M, N) tensor, got shape ", h_in.sizes());
+  const at::Tensor h = unit_inner(h_in);
+  const int64_t M = h.size(0), N = h.size(1);
+  const at::ScalarType acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  check_rows("dy", dy_in, h);
+  const at::Tensor dy = unit_inner(dy_in);
+  at::Tensor dh;
+  if (dh_in.has_value() && dh_in->defined() && dh_in->numel() > 0) {
+    check_rows("dh", *dh_in, h);
+    dh = unit_inner(*dh_in);
+  }
+  // RMSNorm has no mean: it arrives as an empty (0,) tensor (or anything, ignored)
+  at::Tensor mean_c;
+  if (!rms) {
+    TORCH_CHECK(mean.numel() == M, "mean: expected ", M, " elements (one per row), got shape ", mean.sizes());
+    mean_c = mean.to(acc).contiguous();
+  }
+  TORCH_CHECK(rstd.numel() == M, "rstd: expected ", M, " elements (one per row), got shape ", rstd.sizes());
+  const at::Tensor rstd_c = rstd.to(acc).contiguous();
+  const at::Tensor w = param_as(weight, "weight", N, acc);
+  const bool want_dw = w.defined();
+  const bool want_db = bias.has_value() && bias->defined();
+
+  at::Tensor dx = at::empty({M, N}, h.options());
+  const int64_t n_chunks = M == 0 ? 0 : (M + rows_per_chunk(M) - 1) / rows_per_chunk(M);
+  at::Tensor dw_part = at::empty({want_dw ? n_chunks : 0, N}, h.options().dtype(acc));
+  at::Tensor db_part = at::empty({want_db ? n_chunks : 0, N}, h.options().dtype(acc));
+  if (M > 0 && N > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "norm_bwd_extension", [&] {
+      norm_bwd_kernel<scalar_t>(dy, dh, h, w, mean_c, rstd_c, rms, want_dw, want_db, dx, dw_part, db_part);
+    });
+  } else {
+    dw_part.zero_();
+    db_part.zero_();
+  }
+  at::Tensor dw = at::empty({0}, h.options());
+  at::Tensor db = at::empty({0}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "norm_bwd_extension_reduce", [&] {
+    if (want_dw) dw = reduce_partials<scalar_t>(dw_part, weight->scalar_type()).view(weight->sizes());
+    if (want_db) db = reduce_partials<scalar_t>(db_part, bias->scalar_type()).view(bias->sizes());
+  });
+  return {dx, dw, db};
+}
+
+}  // namespace fasttrans::cpu

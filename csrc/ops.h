@@ -1,0 +1,43 @@
+// The extension's op entry points (tensor-level), one namespace per device.
+//
+// Schemas (registration.cpp) and semantics: the backend interface in fasttrans/backends.py.
+// Absent optional outputs are returned as empty tensors of shape (0,).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace fasttrans {
+
+#define FASTTRANS_DECLARE_OPS                                                                                     \
+  std::tuple<at::Tensor, at::Tensor> attention_fwd(                                                               \
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask, \
+      const std::optional<at::Tensor>& key_lengths, bool is_causal, int64_t causal_offset, double dropout_p,     \
+      double scale, int64_t seed);                                                                                \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(                                       \
+      const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,                     \
+      const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,                  \
+      const std::optional<at::Tensor>& key_lengths, bool is_causal, int64_t causal_offset, double dropout_p,     \
+      double scale, int64_t seed, bool mask_grad);                                                                \
+  at::Tensor attention_dropout_mask(const at::Tensor& q, const at::Tensor& k, double dropout_p, int64_t seed);    \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(                                            \
+      const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,   \
+      const std::optional<at::Tensor>& bias, double eps, bool rms);                                               \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(                                                        \
+      const at::Tensor& dy, const std::optional<at::Tensor>& dh, const at::Tensor& h,                            \
+      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,    \
+      const at::Tensor& rstd, bool rms);
+
+namespace cpu {
+FASTTRANS_DECLARE_OPS
+}  // namespace cpu
+
+namespace cuda {
+FASTTRANS_DECLARE_OPS
+}  // namespace cuda
+
+#undef FASTTRANS_DECLARE_OPS
+
+}  // namespace fasttrans

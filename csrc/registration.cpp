@@ -1,0 +1,33 @@
+// The extension's torch.library schemas and their CPU kernels.
+//
+// fasttrans/backends.py adds the fake (meta) implementations and autograd in Python, so
+// only the schemas and the device kernels live here. The CUDA kernels are registered by
+// cuda_binding.cpp, which is compiled only when torch has CUDA.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(fasttrans, m) {
+  m.def(
+      "attention_fwd_extension(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_lengths, "
+      "bool is_causal, SymInt causal_offset, float dropout_p, float scale, SymInt seed) -> (Tensor, Tensor)");
+  m.def(
+      "attention_bwd_extension(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? attn_mask, Tensor? key_lengths, bool is_causal, SymInt causal_offset, float dropout_p, "
+      "float scale, SymInt seed, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("attention_dropout_mask_extension(Tensor q, Tensor k, float dropout_p, SymInt seed) -> Tensor");
+  m.def(
+      "norm_fwd_extension(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool rms) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "norm_bwd_extension(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "
+      "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
+  m.impl("attention_fwd_extension", &fasttrans::cpu::attention_fwd);
+  m.impl("attention_bwd_extension", &fasttrans::cpu::attention_bwd);
+  m.impl("attention_dropout_mask_extension", &fasttrans::cpu::attention_dropout_mask);
+  m.impl("norm_fwd_extension", &fasttrans::cpu::norm_fwd);
+  m.impl("norm_bwd_extension", &fasttrans::cpu::norm_bwd);
+}

@@ -1,0 +1,404 @@
+"""JIT build and load of the C++/CUDA extension (the ``extension`` backend).
+
+The sources live in the package ``fasttrans.csrc`` (``csrc/`` in the source tree), so an
+installed wheel builds outside the source tree. The first ``load()`` compiles them with
+``torch.utils.cpp_extension`` and ninja into a cache directory; later processes load the
+cached library directly. The directory name is a hash of everything that makes a build
+different: fasttrans, torch and Python versions, the compiler and its version, the flags,
+the target CPU features the compiler sees, CUDA settings and the source text. So a changed
+source, compiler or machine gets its own build, and a stale one is never loaded.
+
+    cache root   $FASTTRANS_CACHE, else $XDG_CACHE_HOME/fasttrans, else ~/.cache/fasttrans
+    build dir    <root>/ext-<fasttrans version>-torch<torch version>-<hash>
+
+Concurrent first uses (several test workers, several ranks) are serialised by a file lock
+next to the build directory: one process compiles, the others wait and load its result.
+
+The library defines the ops ``fasttrans::{attention,norm}_{fwd,bwd}_extension`` and
+``fasttrans::attention_dropout_mask_extension`` in C++ (``TORCH_LIBRARY``) with CPU kernels
+and, when torch has CUDA and nvcc is found, CUDA kernels; fasttrans.backends adds their fake
+implementations and autograd. ``load()`` returns an object implementing the backend
+interface of fasttrans.backends on top of those ops.
+
+Environment:
+    FASTTRANS_CACHE              cache root (see above)
+    FASTTRANS_CPU_ATTENTION_BWD  fused | split | auto: the CPU attention backward schedule
+                                 (read by the kernel at every call; auto by default)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import __version__
+
+__all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
+
+_NAME = "fasttrans_ext"
+_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp")
+_CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu")
+_OPS = (
+    "attention_fwd_extension",
+    "attention_bwd_extension",
+    "attention_dropout_mask_extension",
+    "norm_fwd_extension",
+    "norm_bwd_extension",
+)
+
+
+class ExtensionBuildError(RuntimeError):
+    """The extension could not be compiled or loaded; the message says why and where."""
+
+
+# --------------------------------------------------------------------------------------
+# Where things are
+# --------------------------------------------------------------------------------------
+def source_dir() -> Path:
+    """The directory holding the C++/CUDA sources (the installed fasttrans.csrc package)."""
+    import fasttrans.csrc
+
+    return Path(fasttrans.csrc.__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    if os.environ.get("FASTTRANS_CACHE"):
+        return Path(os.environ["FASTTRANS_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "fasttrans"
+
+
+# --------------------------------------------------------------------------------------
+# Toolchain probing
+# --------------------------------------------------------------------------------------
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+
+
+def _compiler() -> tuple[str, str]:
+    """(path, first line of --version) of the C++ compiler torch's cpp_extension will use."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    cxx = get_cxx_compiler()
+    path = shutil.which(cxx)
+    if path is None:
+        raise ExtensionBuildError(f"no C++ compiler found: '{cxx}' is not on PATH (set CXX to choose one)")
+    out = _run([path, "--version"])
+    version = (out.stdout or out.stderr).strip().splitlines()
+    return path, version[0] if version else "unknown"
+
+
+def _predefined_macros(cxx: str, flags: list[str]) -> str | None:
+    """The compiler's predefined macros under ``flags`` (None if it rejects the flags)."""
+    out = _run([cxx, *flags, "-dM", "-E", "-x", "c++", os.devnull])
+    return out.stdout if out.returncode == 0 else None
+
+
+def _host_flags(cxx: str) -> tuple[list[str], str, list[str]]:
+    """Optimisation flags for this host: (cflags, the macros they define, notes).
+
+    Tries ``-march=native`` then ``-mcpu=native`` (some non-x86 compilers), else builds
+    for the compiler's default target. When the target has AVX-512 (F, BW, VL, DQ) or
+    AVX2 + FMA, defines CPU_CAPABILITY so ATen's Vectorized<float> uses those registers
+    (ATen itself sets this per kernel file; without it Vectorized is a scalar fallback).
+    """
+    notes = []
+    arch: list[str] = []
+    macros = None
+    for candidate in (["-march=native"], ["-mcpu=native"]):
+        macros = _predefined_macros(cxx, candidate)
+        if macros is not None:
+            arch = candidate
+            break
+        notes.append(f"compiler rejected {candidate[0]}")
+    if macros is None:
+        macros = _predefined_macros(cxx, []) or ""
+    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    if {"__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__"} <= defined:
+        isa = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    elif {"__AVX2__", "__FMA__"} <= defined:
+        isa = ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    else:
+        isa = []
+        notes.append("no AVX2/AVX-512 target: ATen vectors fall back to scalar code")
+    openmp = ["-fopenmp"] if _predefined_macros(cxx, ["-fopenmp"]) is not None else []
+    if not openmp:
+        notes.append("compiler rejected -fopenmp: the kernels run on one thread")
+    # Scalar expressions are evaluated as written (the vector code uses explicit FMAs): a
+    # contracted a * b - c in one place and an uncontracted one elsewhere would make
+    # quantities that must cancel exactly (the LayerNorm backward of a width-1 row) differ.
+    contract = ["-ffp-contract=off"] if _predefined_macros(cxx, ["-ffp-contract=off"]) is not None else []
+    return ["-O3", *arch, *isa, *openmp, *contract], macros, notes
+
+
+def _cuda_plan() -> tuple[bool, str | None]:
+    """(build the CUDA kernels?, why not)."""
+    if torch.version.cuda is None:
+        if torch.version.hip is not None:
+            return False, "ROCm builds of torch are not supported by the CUDA kernels"
+        return False, "torch was built without CUDA"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return False, "nvcc was not found (set CUDA_HOME to a CUDA toolkit)"
+    return True, None
+
+
+def _sources(with_cuda: bool) -> list[Path]:
+    src = source_dir()
+    names = _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())
+    return [src / n for n in names]
+
+
+def _source_hash(with_cuda: bool) -> str:
+    src = source_dir()
+    h = hashlib.sha256()
+    files = sorted(set(_sources(with_cuda)) | set(src.glob("*.h")) | set(src.glob("*.cuh")))
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# The build plan (computed once per process)
+# --------------------------------------------------------------------------------------
+class _Plan:
+    def __init__(self):
+        self.cxx, self.cxx_version = _compiler()
+        self.cflags, macros, self.notes = _host_flags(self.cxx)
+        self.ldflags = ["-fopenmp"] if "-fopenmp" in self.cflags else []
+        self.with_cuda, self.cuda_reason = _cuda_plan()
+        self.cuda_cflags = ["-O3", "-lineinfo"] if self.with_cuda else []
+        key = {
+            "fasttrans": __version__,
+            "torch": torch.__version__,
+            "torch_git": getattr(torch.version, "git_version", ""),
+            "cuda": torch.version.cuda,
+            "python": sys.version_info[:2],
+            "machine": platform.machine(),
+            "cxx": [self.cxx, self.cxx_version],
+            "cflags": self.cflags,
+            "macros": hashlib.sha256(macros.encode()).hexdigest(),
+            "cuda_cflags": self.cuda_cflags,
+            "cuda_arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+            "sources": _source_hash(self.with_cuda),
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.build_dir = cache_root() / f"ext-{__version__}-torch{torch.__version__}-{digest}"
+        self.library = self.build_dir / f"{_NAME}.so"
+        self.marker = self.build_dir / "build.json"  # written last: its presence means "complete"
+
+    def describe(self) -> dict:
+        return {
+            "build_dir": str(self.build_dir),
+            "compiler": f"{self.cxx} ({self.cxx_version})",
+            "cflags": self.cflags,
+            "cuda_cflags": self.cuda_cflags,
+            "with_cuda": self.with_cuda,
+            "cuda_reason": self.cuda_reason,
+            "notes": self.notes,
+        }
+
+
+_lock = threading.Lock()
+_plan: _Plan | None = None
+_impl: "_ExtensionImpl | None" = None
+_error: str | None = None
+
+
+def _get_plan() -> _Plan:
+    global _plan
+    if _plan is None:
+        _plan = _Plan()
+    return _plan
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock across processes.
+
+    POSIX: flock, released by the OS even if the holder dies. Elsewhere: torch's FileBaton
+    (a file created exclusively; a holder that dies leaves it behind, to be deleted by hand).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        from torch.utils.file_baton import FileBaton
+
+        baton = FileBaton(str(path) + ".baton")
+        while not baton.try_acquire():
+            baton.wait()
+        try:
+            yield
+        finally:
+            baton.release()
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(plan: _Plan, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError as e:
+        raise ExtensionBuildError(f"building the fasttrans extension needs ninja ({e}); pip install ninja") from None
+    plan.build_dir.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print(f"fasttrans: building the C++{'/CUDA' if plan.with_cuda else ''} extension in {plan.build_dir}",
+              file=sys.stderr)
+    try:
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(s) for s in _sources(plan.with_cuda)],
+            extra_cflags=plan.cflags,
+            extra_cuda_cflags=plan.cuda_cflags,
+            extra_ldflags=plan.ldflags,
+            extra_include_paths=[str(source_dir())],
+            build_directory=str(plan.build_dir),
+            with_cuda=plan.with_cuda,
+            is_python_module=False,  # TORCH_LIBRARY ops only: no pybind11 module to compile
+            verbose=verbose,
+        )
+    except Exception as e:
+        raise ExtensionBuildError(
+            f"building the fasttrans extension failed (compiler {plan.cxx}, {plan.cxx_version}; build dir "
+            f"{plan.build_dir}): {e}"
+        ) from e
+    info = plan.describe()
+    info["torch"] = torch.__version__
+    info["fasttrans"] = __version__
+    plan.marker.write_text(json.dumps(info, indent=2))
+
+
+def load(verbose: bool = False) -> "_ExtensionImpl":
+    """Build (first use only) and load the extension; returns the backend implementation.
+
+    Raises ExtensionBuildError with the reason when the extension cannot be built or
+    loaded. The outcome is remembered for the process: a failed build is not retried.
+    """
+    global _impl, _error
+    with _lock:
+        if _impl is not None:
+            return _impl
+        if _error is not None:
+            raise ExtensionBuildError(_error)
+        try:
+            plan = _get_plan()
+            lock_path = plan.build_dir.with_name(plan.build_dir.name + ".lock")
+            with _file_lock(lock_path):
+                if not (plan.marker.exists() and plan.library.exists()):
+                    _build(plan, verbose)  # also loads the library into this process
+                elif not _ops_defined():
+                    torch.ops.load_library(str(plan.library))
+            if not _ops_defined():
+                raise ExtensionBuildError(f"{plan.library} loaded but did not define the fasttrans::*_extension ops")
+        except ExtensionBuildError as e:
+            _error = str(e)
+            raise
+        except Exception as e:  # compiler probing, file system, dlopen
+            _error = f"{type(e).__name__}: {e}"
+            raise ExtensionBuildError(_error) from e
+        _register_debug_fake()
+        _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason)
+        return _impl
+
+
+def _ops_defined() -> bool:
+    try:
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fasttrans::{op}", "CPU") for op in _OPS)
+    except RuntimeError:  # an op that is not registered at all
+        return False
+
+
+def _register_debug_fake() -> None:
+    """Fake implementation of the dropout keep-mask hook (the four main ops get theirs from
+    fasttrans.backends), so it also traces under torch.compile and passes opcheck."""
+
+    @torch.library.register_fake("fasttrans::attention_dropout_mask_extension")
+    def _(q, k, dropout_p, seed):
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dtype=torch.bool)
+
+
+def build_info() -> dict:
+    """The extension's state for ``python -m fasttrans info``; never starts a build.
+
+    Keys: built (a complete build for this configuration is cached), loaded (in this
+    process), build_dir, compiler, cflags, cuda_cflags, with_cuda, cuda_reason (why the
+    CUDA kernels are not built, else None), notes, error (the load/build error, else None).
+    """
+    info: dict = {"built": False, "loaded": _impl is not None, "error": _error, "sources": None}
+    try:
+        info["sources"] = str(source_dir())
+        plan = _get_plan()
+    except Exception as e:
+        info["error"] = info["error"] or f"{type(e).__name__}: {e}"
+        return info
+    info.update(plan.describe())
+    info["built"] = plan.marker.exists() and plan.library.exists()
+    return info
+
+
+# --------------------------------------------------------------------------------------
+# The backend interface (fasttrans.backends) on top of the C++ ops
+# --------------------------------------------------------------------------------------
+class _ExtensionImpl:
+    """Backend interface of fasttrans.backends implemented by the compiled ops.
+
+    The ops return absent optional outputs as empty (0,) tensors; these methods turn them
+    back into None as the interface says.
+    """
+
+    def __init__(self, with_cuda: bool, cuda_reason: str | None):
+        self.with_cuda = with_cuda
+        self.cuda_reason = cuda_reason
+        self._ops = torch.ops.fasttrans
+
+    def unavailable_reason(self, device: torch.device, op: str | None = None) -> str | None:
+        if device.type == "cuda" and not self.with_cuda:
+            return f"the extension was built without its CUDA kernels: {self.cuda_reason}"
+        return None
+
+    def attention_fwd(self, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+        return self._ops.attention_fwd_extension(
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), float(scale), int(seed)
+        )
+
+    def attention_bwd(self, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
+                      scale, seed, mask_grad):
+        dq, dk, dv, dmask = self._ops.attention_bwd_extension(
+            dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p),
+            float(scale), int(seed), bool(mask_grad),
+        )
+        return dq, dk, dv, (dmask if mask_grad else None)
+
+    def attention_dropout_mask(self, q, k, dropout_p, seed):
+        return self._ops.attention_dropout_mask_extension(q, k, float(dropout_p), int(seed))
+
+    def norm_fwd(self, x, residual, weight, bias, eps, rms):
+        y, h, mean, rstd = self._ops.norm_fwd_extension(x, residual, weight, bias, float(eps), bool(rms))
+        return y, (h if residual is not None else None), (None if rms else mean), rstd
+
+    def norm_bwd(self, dy, dh, h, weight, bias, mean, rstd, rms):
+        if mean is None:
+            mean = rstd.new_empty(0)
+        dx, dw, db = self._ops.norm_bwd_extension(dy, dh, h, weight, bias, mean, rstd, bool(rms))
+        return dx, (dw if weight is not None else None), (db if bias is not None else None)

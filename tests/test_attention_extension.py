@@ -1,0 +1,447 @@
+"""The C++ extension's attention (csrc/attention_cpu.cpp) against fasttrans.reference.
+
+Forward output and every gradient (q, k, v and a float mask) are compared with the
+reference's autograd gradients, over every mask kind and combination, grouped-query heads,
+awkward sizes, fully masked rows, dropout (through the keep-mask hook), both backward
+schedules and fp64 gradcheck. Low precision follows the 2x rule of tests/helpers.py.
+The CUDA kernels run the same checks under ``pytest -m gpu``.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import backends, reference
+from fasttrans import functional as ftf
+
+from helpers import assert_close_lowp, make_bool_mask, make_float_mask
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The loaded extension (built once into the cache); a failed build fails the tests."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip(f"no C++ compiler ('{get_cxx_compiler()}') on PATH: the extension cannot be built")
+    backends.BACKENDS["extension"].impl()
+    return backends.ops_for("extension")
+
+
+@pytest.fixture
+def schedule(request, monkeypatch):
+    """The CPU backward schedule (fused / split), read by the kernel at every call."""
+    monkeypatch.setenv("FASTTRANS_CPU_ATTENTION_BWD", request.param)
+    return request.param
+
+
+def _device_ok(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = backends.BACKENDS["extension"].unavailable_reason(device, "attention")
+    if why is not None:
+        pytest.fail(f"extension unavailable on {device}: {why}")
+
+
+# ---------------------------------------------------------------------------------------
+# the comparison: forward and every gradient against the reference's autograd
+# ---------------------------------------------------------------------------------------
+def _masks(kind, B, H, Lq, Lk, device, dtype, zero_length=False):
+    """Keyword arguments for one mask kind of the op contract ("+" combines kinds)."""
+    kw = {}
+    for part in kind.split("+"):
+        if part == "none":
+            continue
+        if part == "bool":
+            m = make_bool_mask((B, 1, Lq, Lk), device)
+            m[0, 0, 0] = False  # a fully masked row
+            kw["attn_mask"] = m
+        elif part == "float":
+            kw["attn_mask"] = make_float_mask((B, H, Lq, Lk), device, dtype=dtype)
+        elif part == "float_bcast":
+            kw["attn_mask"] = make_float_mask((Lq, Lk), device, dtype=dtype)  # strides 0 on B and H
+        elif part == "key_lengths":
+            kl = torch.randint(1, Lk + 1, (B,), device=device)
+            kl[0] = Lk
+            if zero_length and B > 1:
+                kl[1] = 0
+            kw["key_lengths"] = kl
+        elif part == "causal":
+            kw["is_causal"] = True
+        elif part == "causal_bottom_right":
+            kw["is_causal"] = True
+            kw["causal_offset"] = Lk - Lq
+        elif part == "causal_negative":  # rows i < 3 see no key at all
+            kw["is_causal"] = True
+            kw["causal_offset"] = -3
+        else:
+            raise ValueError(part)
+    return kw
+
+
+def _run(fn, q, k, v, dout, kw):
+    """out and the gradients of (q, k, v[, float mask]) for out.backward(dout)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kw["attn_mask"] = mask.detach().clone().requires_grad_()
+        leaves.append(kw["attn_mask"])
+    out = fn(*leaves[:3], **kw)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _extension(q, k, v, **kw):
+    with fasttrans.use_backend("extension"):
+        return fasttrans.attention(q, k, v, **kw)
+
+
+def _check_against_reference(q, k, v, kw, names=("out", "dq", "dk", "dv", "dmask")):
+    dtype = q.dtype
+    dout = torch.randn_like(q)
+    got = _run(_extension, q, k, v, dout, kw)
+    if dtype in (torch.float32, torch.float64):
+        ref = _run(reference.attention, q, k, v, dout, kw)
+        base = [None] * len(ref)
+    else:
+        up = {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+        ref = _run(reference.attention, q.float(), k.float(), v.float(), dout.float(), up)
+        base = _run(lambda *a, **w: reference.attention(*a, upcast=False, **w), q, k, v, dout, kw)
+    assert len(got) == len(ref)
+    for name, g, r, b in zip(names, got, ref, base):
+        assert g.dtype == (kw["attn_mask"].dtype if name == "dmask" else dtype), name
+        assert_close_lowp(name, g, r, b, dtype=dtype)
+    return got
+
+
+def _qkv(B, H, Hkv, Lq, Lk, D, dtype, device="cpu"):
+    return (torch.randn(B, H, Lq, D, dtype=dtype, device=device), torch.randn(B, Hkv, Lk, D, dtype=dtype, device=device),
+            torch.randn(B, Hkv, Lk, D, dtype=dtype, device=device))
+
+
+MASK_KINDS = [
+    "none", "bool", "float", "float_bcast", "key_lengths", "causal", "causal_bottom_right", "causal_negative",
+    "key_lengths+causal", "bool+key_lengths+causal_bottom_right", "float+key_lengths+causal_negative",
+]
+# (B, H, Hkv, Lq, Lk, D): length 1, primes near block edges (the CPU tiles are 64 x 128 / 64 x 64),
+# grouped-query heads, head dims from 8 to 256
+SHAPES = [
+    (1, 1, 1, 1, 1, 8),
+    (2, 4, 2, 17, 97, 40),
+    (2, 2, 1, 97, 17, 64),
+    (1, 3, 3, 65, 130, 24),
+    (2, 2, 2, 33, 70, 128),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_reference_fp32(ext, device, kind, shape):
+    _device_ok(device)
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = _qkv(*shape, torch.float32, device)
+    _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True))
+
+
+LOWP_CASES = [
+    ("none", (2, 4, 2, 97, 70, 64)),
+    ("float", (2, 2, 1, 33, 97, 40)),
+    ("bool+key_lengths+causal_bottom_right", (2, 4, 2, 70, 97, 64)),
+    ("float_bcast+key_lengths+causal", (1, 2, 2, 97, 33, 128)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind,shape", LOWP_CASES, ids=[c[0] for c in LOWP_CASES])
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_reference_low_precision(ext, device, kind, shape, dtype):
+    _device_ok(device)
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = _qkv(*shape, dtype, device)
+    _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, device, dtype, zero_length=True))
+
+
+@pytest.mark.parametrize("D", [8, 40, 64, 128, 256])
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dims(ext, device, D):
+    _device_ok(device)
+    q, k, v = _qkv(2, 2, 1, 19, 67, D, torch.float32, device)
+    _check_against_reference(q, k, v, _masks("float+key_lengths+causal_bottom_right", 2, 2, 19, 67, device,
+                                               torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp64_matches_reference(ext, device):
+    _device_ok(device)
+    if device == "cuda":
+        pytest.skip("fp64 is a CPU-extension dtype (gradcheck)")
+    q, k, v = _qkv(2, 4, 2, 23, 41, 16, torch.float64)
+    _check_against_reference(q, k, v, _masks("float+key_lengths+causal", 2, 4, 23, 41, "cpu", torch.float64))
+
+
+# ---------------------------------------------------------------------------------------
+# masks: strides, fully masked rows, empty keys
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_and_masks(ext, device):
+    """q/k/v as (B, L, H, D) transposes and a mask stored key-major are read in place."""
+    _device_ok(device)
+    B, H, Lq, Lk, D = 2, 3, 29, 45, 32
+    q = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)
+    k = torch.randn(B, Lk, H, D, device=device).transpose(1, 2)
+    v = torch.randn(B, Lk, H, D, device=device).transpose(1, 2)
+    mask = make_float_mask((B, H, Lk, Lq), device).transpose(-1, -2)  # stride(-1) = Lq
+    assert not q.is_contiguous() and mask.stride(-1) == Lq
+    _check_against_reference(q, k, v, dict(attn_mask=mask, is_causal=True, causal_offset=Lk - Lq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_rows_are_zero_with_zero_gradients(ext, device):
+    _device_ok(device)
+    B, H, Lq, Lk, D = 3, 2, 70, 90, 16
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, torch.float32, device)
+    mask = make_bool_mask((B, H, Lq, Lk), device)
+    mask[..., 0] = True  # every row that may see a key sees key 0 ...
+    mask[:, :, 5] = False  # ... except row 5, which sees none
+    kl = torch.tensor([Lk, 0, 50], device=device)  # batch 1: no key at all
+    kw = dict(attn_mask=mask, key_lengths=kl, is_causal=True, causal_offset=-10)  # rows < 10 see nothing
+    out, dq, dk, dv = _check_against_reference(q, k, v, kw)
+    empty = torch.zeros(B, H, Lq, dtype=torch.bool, device=device)
+    empty[:, :, :10] = True
+    empty[:, :, 5] = True
+    empty[1] = True
+    assert out[empty].abs().max() == 0 and dq[empty].abs().max() == 0
+    assert dk[1].abs().max() == 0 and dv[1].abs().max() == 0
+    assert dk[2, :, 50:].abs().max() == 0 and dv[2, :, 50:].abs().max() == 0  # keys past key_lengths
+    _, lse = ext[0](q, k, v, mask, kl.int(), True, -10, 0.0, D ** -0.5, 0)
+    assert torch.isinf(lse[empty]).all() and (lse[empty] > 0).all()
+    assert torch.isfinite(lse[~empty]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_key_length_everywhere(ext, device):
+    _device_ok(device)
+    q, k, v = _qkv(2, 2, 2, 5, 9, 8, torch.float32, device)
+    _check_against_reference(q, k, v, dict(key_lengths=torch.zeros(2, dtype=torch.long, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoding_step(ext, device):
+    """One query against a long cache: bottom-right causal alignment, ragged lengths."""
+    _device_ok(device)
+    q, k, v = _qkv(3, 4, 2, 1, 200, 64, torch.float32, device)
+    _check_against_reference(q, k, v, dict(is_causal=True, causal_offset=199,
+                                           key_lengths=torch.tensor([200, 77, 1], device=device)))
+
+
+# ---------------------------------------------------------------------------------------
+# the backward: both schedules, deterministic
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("kind", ["none", "float+key_lengths+causal_bottom_right", "bool+causal_negative"])
+def test_backward_schedules_match_reference(ext, schedule, kind):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 150, 140, 32
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32)
+    _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True))
+
+
+def test_backward_schedule_env_is_validated(ext, monkeypatch):
+    monkeypatch.setenv("FASTTRANS_CPU_ATTENTION_BWD", "fastest")
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 1, 1, 4, 4, 8, torch.float32))
+    out = _extension(q, k, v)
+    with pytest.raises(RuntimeError, match="FASTTRANS_CPU_ATTENTION_BWD"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+def test_backward_is_deterministic(ext, schedule):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 130, 150, 40
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32)
+    kw = _masks("float+key_lengths+causal_bottom_right", B, H, Lq, Lk, "cpu", torch.float32)
+    dout = torch.randn_like(q)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        first = _run(_extension, q, k, v, dout, kw)
+        torch.set_num_threads(2)  # the same bits however the work items land on the threads
+        for _ in range(3):
+            again = _run(_extension, q, k, v, dout, kw)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------
+# dropout: the keep-mask hook, its definition and its statistics
+# ---------------------------------------------------------------------------------------
+def _philox4x32_10(ctr, key):
+    """Philox4x32-10 in numpy (uint64 arithmetic): the specification the kernels follow."""
+    c = [np.uint64(x) for x in ctr]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    m0, m1, w0, w1, mask = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57), np.uint64(0x9E3779B9), np.uint64(
+        0xBB67AE85), np.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        p0, p1 = m0 * c[0], m1 * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]
+        k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
+    return [int(x) for x in c]
+
+
+def test_philox_known_answers():
+    # Random123's known-answer vectors for philox4x32_10
+    assert _philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert _philox4x32_10([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_mask_follows_its_definition(ext, device):
+    """keep(b, h, i, j) = (philox((j//4, i, h, b), seed)[j%4] >> 8) >= round(p 2^24)."""
+    _device_ok(device)
+    impl = backends.BACKENDS["extension"].impl()
+    q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, 11, 8, device=device)
+    p, seed = 0.3, (7 << 32) + 12345
+    keep = impl.attention_dropout_mask(q, k, p, seed).cpu()
+    assert keep.dtype == torch.bool and keep.shape == (2, 3, 5, 11)
+    threshold = int(p * 2 ** 24 + 0.5)
+    expect = torch.zeros_like(keep)
+    for b in range(2):
+        for h in range(3):
+            for i in range(5):
+                for j in range(11):
+                    w = _philox4x32_10([j // 4, i, h, b], [seed & 0xFFFFFFFF, seed >> 32])[j % 4]
+                    expect[b, h, i, j] = (w >> 8) >= threshold
+    assert torch.equal(keep, expect)
+
+
+def test_dropout_keep_fraction_and_independence(ext):
+    impl = backends.BACKENDS["extension"].impl()
+    q, k = torch.randn(4, 4, 64, 8), torch.randn(4, 4, 256, 8)
+    for p in (0.1, 0.5, 0.9):
+        keep = impl.attention_dropout_mask(q, k, p, 1234).float()
+        n = keep.numel()
+        assert abs(keep.mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    a = impl.attention_dropout_mask(q, k, 0.5, 1)
+    b = impl.attention_dropout_mask(q, k, 0.5, 2)
+    assert 0.4 < (a == b).float().mean().item() < 0.6  # different seeds: unrelated masks
+    assert torch.equal(a, impl.attention_dropout_mask(q, k, 0.5, 1))  # same seed: same mask
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_matches_reference_with_the_hook_mask(ext, device, schedule):
+    _device_ok(device)
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 70, 90, 32, 0.25
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
+    kw = dict(key_lengths=torch.tensor([90, 40], device=device), is_causal=True, causal_offset=20,
+              attn_mask=make_float_mask((B, H, Lq, Lk), device))
+    torch.manual_seed(7)
+    with fasttrans.use_backend("extension"):
+        keep = ftf.attention_dropout_mask(q, k, p)
+    dout = torch.randn_like(q)
+    torch.manual_seed(7)
+    got = _run(_extension, q, k, v, dout, dict(kw, dropout_p=p))
+    ref = _run(reference.attention, q, k, v, dout, dict(kw, dropout_p=p, dropout_mask=keep))
+    for name, g, r in zip(("out", "dq", "dk", "dv", "dmask"), got, ref):
+        assert_close_lowp(name, g, r, None)
+    assert not torch.equal(got[0], _extension(q, k, v, **kw))  # dropout did act
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library: opcheck, gradcheck, torch.compile
+# ---------------------------------------------------------------------------------------
+def _op_samples():
+    q, k, v = _qkv(2, 4, 2, 9, 13, 8, torch.float32)
+    kl = torch.tensor([13, 5], dtype=torch.int32)
+    fmask = make_float_mask((2, 4, 9, 13), "cpu").masked_fill(torch.eye(9, 13, dtype=torch.bool), 0.0)
+    bmask = make_bool_mask((2, 1, 9, 13), "cpu").expand(2, 4, 9, 13)
+    return [
+        (q, k, v, None, None, False, 0, 0.0, 0.35, 0),
+        (q, k, v, fmask, kl, True, 4, 0.0, 0.35, 0),
+        (q, k, v, bmask, kl, True, -2, 0.2, 0.35, 99),
+    ]
+
+
+def test_opcheck_forward(ext):
+    fwd = ext[0]
+    for args in _op_samples():
+        args = list(args)
+        for i in (0, 1, 2):
+            args[i] = args[i].clone().requires_grad_()
+        if args[3] is not None and args[3].dtype != torch.bool:
+            args[3] = args[3].clone().requires_grad_()
+        torch.library.opcheck(fwd, tuple(args))
+
+
+def test_opcheck_backward(ext):
+    fwd, bwd = ext[0], ext[1]
+    for q, k, v, mask, kl, causal, off, p, scale, seed in _op_samples():
+        out, lse = fwd(q, k, v, mask, kl, causal, off, p, scale, seed)
+        dout = torch.randn_like(out)
+        mask_grad = mask is not None and mask.dtype != torch.bool
+        torch.library.opcheck(bwd, (dout, q, k, v, out, lse, mask, kl, causal, off, p, scale, seed, mask_grad))
+
+
+def test_opcheck_dropout_mask(ext):
+    q, k, _ = _qkv(2, 2, 1, 5, 7, 8, torch.float32)
+    torch.library.opcheck(torch.ops.fasttrans.attention_dropout_mask_extension, (q, k, 0.3, 5))
+
+
+GRADCHECK_CASES = [
+    ("key_lengths", dict(key_lengths=[6, 2])),
+    ("causal", dict(is_causal=True, causal_offset=1)),
+    ("float_mask", dict(mask=True)),
+    ("all", dict(mask=True, key_lengths=[6, 3], is_causal=True, causal_offset=-1)),
+    ("dropout", dict(dropout_p=0.3, key_lengths=[5, 6])),
+]
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("name,case", GRADCHECK_CASES, ids=[c[0] for c in GRADCHECK_CASES])
+def test_gradcheck_fp64(ext, name, case, schedule):
+    fwd = ext[0]
+    B, H, Hkv, Lq, Lk, D = 2, 2, 1, 5, 6, 4
+    q, k, v = (t.requires_grad_() for t in _qkv(B, H, Hkv, Lq, Lk, D, torch.float64))
+    inputs = [q, k, v]
+    mask = None
+    if case.get("mask"):
+        mask = torch.randn(B, H, Lq, Lk, dtype=torch.float64)
+        mask[0, 0, 1, 2] = float("-inf")
+        mask.requires_grad_()
+        inputs.append(mask)
+    kl = torch.tensor(case["key_lengths"], dtype=torch.int32) if "key_lengths" in case else None
+    causal, off, p = case.get("is_causal", False), case.get("causal_offset", 0), case.get("dropout_p", 0.0)
+
+    def f(q, k, v, *m):
+        return fwd(q, k, v, m[0] if m else None, kl, causal, off, p, 0.5, 1234)[0]
+
+    assert torch.autograd.gradcheck(f, tuple(inputs))
+
+
+def test_compiles_without_graph_breaks(ext):
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 4, 2, 9, 13, 8, torch.float32))
+    kl = torch.tensor([13, 4])
+
+    def f(q, k, v):
+        return fasttrans.attention(q, k, v, key_lengths=kl, is_causal=True, causal_offset=4)
+
+    torch._dynamo.reset()
+    with fasttrans.use_backend("extension"):
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+        out.sum().backward()
+        ref = f(q.detach(), k.detach(), v.detach())
+    torch.testing.assert_close(out, ref)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_forced_extension_on_unsupported_device_says_why(ext):
+    q = torch.randn(1, 1, 2, 4, device="meta")
+    with fasttrans.use_backend("extension"), pytest.raises(fasttrans.BackendUnavailableError, match="meta"):
+        fasttrans.attention(q, q, q)

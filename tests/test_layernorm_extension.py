@@ -1,0 +1,361 @@
+"""The C++ extension's norms (csrc/layernorm_cpu.cpp) and the extension's build and loading.
+
+layer_norm, add_layer_norm and rms_norm are compared with fasttrans.reference, forward and
+every gradient (x, residual, weight, bias), over awkward widths, dtypes, strided rows,
+missing weight/bias and large-mean rows; dW/dB must be bit-identical on any thread count.
+The second half checks fasttrans.extension itself: the cached build, the cross-process
+lock, and what the registry does when a build fails.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import backends, extension, reference
+
+from helpers import assert_close_lowp
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The loaded extension (built once into the cache); a failed build fails the tests."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip(f"no C++ compiler ('{get_cxx_compiler()}') on PATH: the extension cannot be built")
+    backends.BACKENDS["extension"].impl()
+    return backends.ops_for("extension")
+
+
+def _device_ok(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = backends.BACKENDS["extension"].unavailable_reason(device, "norm")
+    if why is not None:
+        pytest.fail(f"extension unavailable on {device}: {why}")
+
+
+# ---------------------------------------------------------------------------------------
+# forward and every gradient against the reference
+# ---------------------------------------------------------------------------------------
+def _norm_call(kind, module, x, r, w, b, eps):
+    """(outputs...) of one norm op from ``module`` (fasttrans or fasttrans.reference)."""
+    N = x.shape[-1]
+    if kind == "layer_norm":
+        return (module.layer_norm(x, (N,), w, b, eps),)
+    if kind == "add_layer_norm":
+        return module.add_layer_norm(x, r, w, b, eps)
+    return (module.rms_norm(x, (N,), w, eps),)
+
+
+def _run(kind, module, x, r, w, b, eps, grads_out):
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in (("x", x), ("r", r), ("w", w), ("b", b))
+              if t is not None}
+    outs = _norm_call(kind, module, leaves["x"], leaves.get("r"), leaves.get("w"), leaves.get("b"), eps)
+    torch.autograd.backward(outs, grads_out[: len(outs)])
+    return [o.detach() for o in outs] + [leaves[n].grad for n in ("x", "r", "w", "b") if n in leaves]
+
+
+def _extension_module():
+    class M:
+        @staticmethod
+        def layer_norm(*a):
+            with fasttrans.use_backend("extension"):
+                return fasttrans.layer_norm(*a)
+
+        @staticmethod
+        def add_layer_norm(*a):
+            with fasttrans.use_backend("extension"):
+                return fasttrans.add_layer_norm(*a)
+
+        @staticmethod
+        def rms_norm(*a):
+            with fasttrans.use_backend("extension"):
+                return fasttrans.rms_norm(*a)
+
+    return M
+
+
+def _check(kind, x, r, w, b, eps=1e-5):
+    dtype = x.dtype
+    grads_out = [torch.randn_like(x), torch.randn_like(x)]
+    got = _run(kind, _extension_module(), x, r, w, b, eps, grads_out)
+    if dtype in (torch.float32, torch.float64):
+        ref = _run(kind, reference, x, r, w, b, eps, grads_out)
+        base = [None] * len(ref)
+    else:
+        up = [t.float() if t is not None else None for t in (x, r, w, b)]
+        ref = _run(kind, reference, *up, eps, [g.float() for g in grads_out])
+        base = _run(kind, _LowpReference, x, r, w, b, eps, grads_out)
+    names = ["y", "h"][: 2 if kind == "add_layer_norm" else 1] + [
+        n for n, t in (("dx", x), ("dresidual", r), ("dweight", w), ("dbias", b)) if t is not None]
+    for name, g, rf, bs in zip(names, got, ref, base):
+        assert g.shape == rf.shape, name
+        assert_close_lowp(name, g, rf, bs, dtype=dtype)
+    return got
+
+
+class _LowpReference:
+    """PyTorch in the input's low precision: the baseline of the 2x rule."""
+
+    @staticmethod
+    def layer_norm(x, shape, w, b, eps):
+        return torch.nn.functional.layer_norm(x, shape, w.to(x.dtype) if w is not None else None,
+                                              b.to(x.dtype) if b is not None else None, eps)
+
+    @staticmethod
+    def add_layer_norm(x, r, w, b, eps):
+        h = x + r
+        return _LowpReference.layer_norm(h, (h.shape[-1],), w, b, eps), h
+
+    @staticmethod
+    def rms_norm(x, shape, w, eps):
+        return torch.nn.functional.rms_norm(x, shape, w.to(x.dtype) if w is not None else None, eps)
+
+
+KINDS = ["layer_norm", "add_layer_norm", "rms_norm"]
+WIDTHS = [1, 7, 256, 1023, 1025, 4100]
+
+
+@pytest.mark.parametrize("N", WIDTHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_reference_fp32(ext, device, kind, N):
+    _device_ok(device)
+    M = 37
+    x = torch.randn(M, N, device=device) * 3 + 1
+    r = torch.randn(M, N, device=device) if kind == "add_layer_norm" else None
+    w, b = torch.randn(N, device=device), torch.randn(N, device=device)
+    _check(kind, x, r, w, None if kind == "rms_norm" else b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_reference_other_dtypes(ext, device, kind, dtype):
+    _device_ok(device)
+    M, N = 70, 515
+    x = torch.randn(M, N, device=device, dtype=dtype)
+    r = torch.randn(M, N, device=device, dtype=dtype) if kind == "add_layer_norm" else None
+    w, b = torch.randn(N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)
+    _check(kind, x, r, w, None if kind == "rms_norm" else b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_parameters_with_bf16_input(ext, device):
+    """Mixed precision: fp32 weight/bias with bf16 activations, gradients in fp32."""
+    _device_ok(device)
+    x, r = torch.randn(33, 300, device=device, dtype=torch.bfloat16), torch.randn(33, 300, device=device,
+                                                                                  dtype=torch.bfloat16)
+    w, b = torch.randn(300, device=device), torch.randn(300, device=device)
+    out = _check("add_layer_norm", x, r, w, b)
+    assert out[4].dtype == torch.float32 and out[5].dtype == torch.float32
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "bias"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_weight_or_bias(ext, kind, affine):
+    M, N = 19, 129
+    x = torch.randn(M, N)
+    r = torch.randn(M, N) if kind == "add_layer_norm" else None
+    w = torch.randn(N) if affine == "weight" else None
+    b = torch.randn(N) if affine == "bias" and kind != "rms_norm" else None
+    _check(kind, x, r, w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_leading_dims(ext, device):
+    """Rows with stride(0) > N (a slice of a wider buffer) and 3-D inputs, without copies."""
+    _device_ok(device)
+    base_x, base_r = torch.randn(3, 7, 300, device=device), torch.randn(3, 7, 400, device=device)
+    x, r = base_x[..., 20:276], base_r[..., 100:356]
+    assert not x.is_contiguous() and x.stride(-1) == 1
+    w, b = torch.randn(256, device=device), torch.randn(256, device=device)
+    _check("add_layer_norm", x, r, w, b)
+    _check("layer_norm", x, None, w, b)
+    _check("rms_norm", x, None, w, None)
+
+
+LARGE_CASES = [(torch.float32, 1024), (torch.float32, 1025), (torch.bfloat16, 1025)]
+
+
+@pytest.mark.parametrize("kind", ["add_layer_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype,N", LARGE_CASES, ids=[f"{d}-{n}" for d, n in LARGE_CASES])
+def test_large_outputs(ext, dtype, N, kind):
+    """Outputs of 4 MiB and more take the CPU kernels' streaming-store paths: fp32 rows of
+    1024 are streamed straight from registers (aligned), rows of 1025 start unaligned and go
+    through a row buffer with a head and a tail."""
+    M = (4 << 20) // (N * dtype.itemsize) + 3
+    x, r = torch.randn(M, N, dtype=dtype), torch.randn(M, N, dtype=dtype)
+    w, b = torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype)
+    _check(kind, x, r if kind == "add_layer_norm" else None, w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_mean_rows_keep_their_variance(ext, device):
+    """Rows of 1e4 + small noise: E[x^2] - E[x]^2 would cancel to garbage in fp32."""
+    _device_ok(device)
+    x = (1e4 + 1e-2 * torch.randn(16, 1000, dtype=torch.float64, device=device))
+    xf = x.float()
+    with fasttrans.use_backend("extension"):
+        y = fasttrans.layer_norm(xf, (1000,))
+    # the reference on the fp32-rounded input, computed in fp64; the kernel carries the mean
+    # as h[0] + d, so its error stays at fp32 rounding of y (torch's fp32 layer_norm: ~0.1 here)
+    ref = reference.layer_norm(xf.double(), (1000,))
+    assert (y.double() - ref).abs().max() < 1e-5
+
+
+def test_rms_norm_default_eps_and_scalar_rows(ext):
+    x = torch.randn(5, 1)
+    _check("rms_norm", x, None, None, None, eps=torch.finfo(torch.float32).eps)
+    _check("layer_norm", x, None, torch.randn(1), torch.randn(1))
+
+
+def test_weight_bias_gradients_are_bitwise_deterministic(ext):
+    M, N = 1000, 333  # several row chunks
+    x, w, b = torch.randn(M, N), torch.randn(N), torch.randn(N)
+    dy = torch.randn(M, N)
+    threads = torch.get_num_threads()
+
+    def grads():
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        with fasttrans.use_backend("extension"):
+            fasttrans.layer_norm(xs, (N,), ws, bs).backward(dy)
+        return xs.grad, ws.grad, bs.grad
+
+    try:
+        torch.set_num_threads(1)
+        first = grads()
+        torch.set_num_threads(2)
+        for _ in range(3):
+            for a, c in zip(first, grads()):
+                assert torch.equal(a, c)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library
+# ---------------------------------------------------------------------------------------
+def test_opcheck(ext):
+    _af, _ab, fwd, bwd = ext
+    M, N = 6, 20
+    x, r, w, b = torch.randn(M, N), torch.randn(M, N), torch.randn(N), torch.randn(N)
+    for rms in (False, True):
+        for res in (None, r):
+            args = [x.clone().requires_grad_(), None if res is None else res.clone().requires_grad_(),
+                    w.clone().requires_grad_(), None if rms else b.clone().requires_grad_(), 1e-5, rms]
+            torch.library.opcheck(fwd, tuple(args))
+            y, h, mean, rstd = fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+            hh = h if res is not None else x
+            dh = torch.randn(M, N) if res is not None else None
+            torch.library.opcheck(bwd, (torch.randn(M, N), dh, hh, w, None if rms else b, mean, rstd, rms))
+            if rms:
+                assert mean.shape == (0,)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_fp64(ext, kind):
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    with fasttrans.use_backend("extension"):
+        if kind == "layer_norm":
+            assert torch.autograd.gradcheck(lambda x, w, b: fasttrans.layer_norm(x, (9,), w, b), (x, w, b))
+        elif kind == "add_layer_norm":
+            assert torch.autograd.gradcheck(lambda x, r, w, b: fasttrans.add_layer_norm(x, r, w, b), (x, r, w, b))
+        else:
+            assert torch.autograd.gradcheck(lambda x, w: fasttrans.rms_norm(x, (9,), w, 1e-6), (x, w))
+
+
+def test_compiles_without_graph_breaks(ext):
+    x, r = torch.randn(5, 16, requires_grad=True), torch.randn(5, 16)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+
+    def f(x, r, w, b):
+        y, h = fasttrans.add_layer_norm(x, r, w, b)
+        return fasttrans.rms_norm(y + h, (16,), w)
+
+    torch._dynamo.reset()
+    with fasttrans.use_backend("extension"):
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, r, w, b)
+        out.sum().backward()
+        ref = f(x.detach(), r, w.detach(), b.detach())
+    torch.testing.assert_close(out, ref)
+    assert x.grad is not None and w.grad is not None
+
+
+# ---------------------------------------------------------------------------------------
+# fasttrans.extension: the cached build, the lock, build failures
+# ---------------------------------------------------------------------------------------
+def test_build_info_describes_the_loaded_build(ext):
+    info = extension.build_info()
+    assert info["built"] and info["loaded"] and info["error"] is None
+    assert os.path.isdir(info["build_dir"]) and "-O3" in info["cflags"]
+    assert info["with_cuda"] == torch.cuda.is_available() or info["cuda_reason"]
+    assert os.path.samefile(info["sources"], os.path.dirname(sys.modules["fasttrans.csrc"].__file__))
+
+
+def _python(code, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_other_processes_wait_for_the_build_lock_and_reuse_the_cache(ext):
+    plan = extension._get_plan()
+    library_mtime = plan.library.stat().st_mtime_ns
+    lock = plan.build_dir.with_name(plan.build_dir.name + ".lock")
+    code = """
+        import time
+        from fasttrans import extension
+        extension._get_plan()
+        print("waiting", flush=True)
+        extension.load()
+        print(f"loaded {time.time()!r}", flush=True)
+    """
+    with extension._file_lock(lock):
+        proc = _python(code)
+        assert proc.stdout.readline().strip() == "waiting", proc.communicate()
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.communicate()  # blocked on the lock held here
+        released = time.time()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert float(out.split()[-1]) >= released
+    assert plan.library.stat().st_mtime_ns == library_mtime  # loaded from the cache, not rebuilt
+
+
+def test_failed_build_falls_back_when_automatic_and_raises_when_forced(tmp_path):
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'fake compiler: refusing to compile' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    code = """
+        import warnings, pytest, torch, fasttrans
+        from fasttrans import extension
+        x = torch.randn(3, 8)
+        with pytest.raises(extension.ExtensionBuildError, match="building the fasttrans extension failed"):
+            extension.load()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = fasttrans.layer_norm(x, (8,))
+        assert any("not using the 'extension' backend" in str(w.message) for w in caught), caught
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)))
+        with fasttrans.use_backend("extension"), pytest.raises(fasttrans.BackendUnavailableError,
+                                                                 match="fake compiler|failed"):
+            fasttrans.layer_norm(x, (8,))
+        assert extension.build_info()["error"]
+        print("ok")
+    """
+    proc = _python(code, env={"CXX": str(fake), "FASTTRANS_CACHE": str(tmp_path / "cache")})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "ok" in out, err[-3000:]
