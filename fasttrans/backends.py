@@ -484,12 +484,14 @@ def _register_fake_and_autograd(name: str) -> None:
         ctx.has_residual = residual is not None
         ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
         ctx.rms = rms
+        # when only y is used, h's gradient stays None instead of an all-zero (M, N) tensor
+        ctx.set_materialize_grads(False)
 
     def norm_backward(ctx, dy, dh, dmean, drstd):
         h, weight, bias, mean, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(h)
-        dh = dh.contiguous() if (ctx.has_residual and dh is not None and dh.numel()) else None
+        dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
         dx, dw, db = norm_bwd_op(dy.contiguous(), dh, h, weight, bias, mean, rstd, ctx.rms)
         dw = dw if weight is not None else None
         db = db if bias is not None else None
