@@ -1,0 +1,318 @@
+"""``python -m fasttrans compile-check``: build every Triton kernel for sm_80 / sm_90 without a GPU.
+
+Each module in ``kernels/`` (``fasttrans.kernels.*``) exposes ``compile_targets() -> list[dict]``,
+one dict per (kernel, shipped launch configuration, specialisation):
+
+    kernel      name of the kernel (str)
+    fn          the @triton.jit function
+    config      short name of the launch configuration (str)
+    signature   {argument name: triton type string}, e.g. "*fp16", "i32", "i64", "fp32"
+    constexprs  {argument name: value} (constexpr parameters, and runtime arguments the launcher
+                specialises, as Triton does for integers equal to 1)
+    num_warps, num_stages
+    matmul      whether the kernel's tl.dot calls must lower to tensor-core instructions
+    divisible_by_16  (optional) integer arguments assumed to be multiples of 16, as Triton's
+                launcher specialises them at run time; pointer arguments are always assumed
+                16-byte aligned (what torch allocations give)
+    archs       (optional) the architectures the configuration ships for, e.g. ["sm_90"]
+                (default: all); it is built only for those among the requested ones
+
+Every target is compiled with ``triton.compile`` for each requested architecture and checked:
+
+    registers, spills   from the ptxas Triton itself uses for that architecture (``-v`` output)
+    shared_bytes        ``metadata.shared``; must fit the architecture's per-block limit
+    tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90)
+
+A build is ``ok`` when it compiles, spills nothing, fits in shared memory and, for ``matmul``
+targets, uses tensor cores. The exit status is 0 only when every build is ok; a kernels module
+that cannot be imported or has no ``compile_targets`` is reported as a failed row.
+
+The compilation runs in worker subprocesses without ``TRITON_INTERPRET``: with the
+interpreter on (as in the CPU test suite), ``@triton.jit`` yields interpreter objects that
+cannot be compiled. Results are cached by Triton (``~/.triton/cache``), so a second run only
+re-runs ptxas for the resource counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["main", "KERNEL_MODULES", "ARCHS"]
+
+# the kernels modules that must expose compile_targets(); others found in the package are added
+KERNEL_MODULES = ("attention", "layernorm")
+ARCHS = {"sm_80": 80, "sm_90": 90}
+# largest dynamic shared memory a block may use (CUDA C Programming Guide, compute capabilities)
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+_REQUIRED_KEYS = ("kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul")
+_RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores", "error")
+
+
+# --------------------------------------------------------------------------------------
+# Worker side (runs without the interpreter)
+# --------------------------------------------------------------------------------------
+def _problem(kernel: str, error: str, arch: str = "-") -> dict:
+    return dict(kernel=kernel, config="-", arch=arch, ok=False, registers=None, spills=None,
+                shared_bytes=None, tensor_cores=None, error=error)
+
+
+def _module_names() -> list[str]:
+    """KERNEL_MODULES plus any other module found in fasttrans.kernels."""
+    names = list(KERNEL_MODULES)
+    try:
+        import pkgutil
+
+        pkg = importlib.import_module("fasttrans.kernels")
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_") and info.name not in names:
+                names.append(info.name)
+    except Exception:  # the package itself is broken: each expected module reports it below
+        pass
+    return names
+
+
+def _collect(modules: list[str]) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """(module, target) pairs in a deterministic order, and rows for modules that cannot be checked."""
+    targets, problems = [], []
+    for name in modules:
+        # a bare name is a module of fasttrans.kernels; a dotted one is imported as given
+        qualified = name if "." in name else f"fasttrans.kernels.{name}"
+        where = name if "." in name else f"kernels/{name}.py"
+        try:
+            mod = importlib.import_module(qualified)
+        except ModuleNotFoundError as e:
+            problems.append(_problem(where, f"module not found ({e})"))
+            continue
+        except Exception as e:
+            problems.append(_problem(where, f"import failed: {type(e).__name__}: {e}"))
+            continue
+        fn = getattr(mod, "compile_targets", None)
+        if not callable(fn):
+            problems.append(_problem(where, "has no compile_targets() function"))
+            continue
+        try:
+            listed = list(fn())
+        except Exception as e:
+            problems.append(_problem(where, f"compile_targets() raised {type(e).__name__}: {e}"))
+            continue
+        if not listed:
+            problems.append(_problem(where, "compile_targets() returned no targets"))
+        for i, t in enumerate(listed):
+            missing = [k for k in _REQUIRED_KEYS if not isinstance(t, dict) or k not in t]
+            if missing:
+                problems.append(_problem(f"{where}[{i}]", f"target lacks keys {missing}"))
+            else:
+                targets.append((name, t))
+    return targets, problems
+
+
+def _signature(t: dict) -> tuple[dict, dict, dict]:
+    """Full signature (constexprs included), constexprs and divisibility attributes for ASTSource."""
+    fn = t["fn"]
+    constexprs = dict(t["constexprs"])
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in t["signature"]:
+            sig[name] = t["signature"][name]
+        else:
+            raise ValueError(f"argument {name!r} has neither a type in 'signature' nor a value in 'constexprs'")
+    unknown = sorted((set(t["signature"]) | set(constexprs)) - set(fn.arg_names))
+    if unknown:
+        raise ValueError(f"{unknown} are not arguments of {fn.__name__}")
+    aligned = set(t.get("divisible_by_16", ()))
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name] != "constexpr" and (sig[name].startswith("*") or name in aligned)
+    }
+    return sig, constexprs, attrs
+
+
+def _ptxas_resources(ptx: str, cap: int) -> tuple[int | None, int | None, str]:
+    """(registers, spill bytes (stores + loads), log) from the ptxas Triton uses for ``cap``."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    ptxas = get_ptxas(cap).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(tmp, "kernel.o")],
+            capture_output=True, text=True,
+        )
+    log = proc.stderr + proc.stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    stores = re.search(r"(\d+) bytes spill stores", log)
+    loads = re.search(r"(\d+) bytes spill loads", log)
+    spills = int(stores.group(1)) + int(loads.group(1)) if stores and loads else None
+    return (int(regs.group(1)) if regs else None), spills, log
+
+
+def _tensor_core_dots(ttgir: str, cap: int) -> tuple[int, int]:
+    """(number of dots, number lowered to the architecture's tensor-core instruction)."""
+    mma_v2 = set(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = 2", ttgir, re.M))
+    wgmma = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
+    plain = re.findall(r"= tt\.dot .*-> tensor<[^,>]*, (#\w+)>", ttgir)
+    if cap >= 90:
+        return wgmma + len(plain), wgmma
+    return wgmma + len(plain), sum(1 for enc in plain if enc in mma_v2)
+
+
+def _build(module: str, t: dict, arch: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cap = ARCHS[arch]
+    row = dict(kernel=t["kernel"], config=t["config"], arch=arch, ok=False, registers=None, spills=None,
+               shared_bytes=None, tensor_cores=None, error=None)
+    start = time.perf_counter()
+    try:
+        sig, constexprs, attrs = _signature(t)
+        kernel = triton.compile(
+            ASTSource(fn=t["fn"], signature=sig, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", cap, 32),
+            options={"num_warps": t["num_warps"], "num_stages": t["num_stages"]},
+        )
+    except Exception as e:
+        row["error"] = f"compilation failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        return row
+    ptx = kernel.asm["ptx"]
+    row["shared_bytes"] = int(kernel.metadata.shared)
+    row["registers"], row["spills"], log = _ptxas_resources(ptx, cap)
+    dots, lowered = _tensor_core_dots(kernel.asm["ttgir"], cap)
+    instruction = "wgmma.mma_async" if cap >= 90 else "mma.sync"
+    if dots:
+        row["tensor_cores"] = lowered == dots and instruction in ptx
+    elif t["matmul"]:
+        row["tensor_cores"] = False
+    problems = []
+    if row["registers"] is None or row["spills"] is None:
+        problems.append(f"could not read ptxas resource usage: {log.strip()[-300:]}")
+    elif row["spills"]:
+        problems.append(f"{row['spills']} bytes of register spills")
+    if row["shared_bytes"] > SHARED_LIMIT[cap]:
+        problems.append(f"{row['shared_bytes']} bytes of shared memory > the {SHARED_LIMIT[cap]} available on {arch}")
+    if t["matmul"] and not row["tensor_cores"]:
+        problems.append(f"{lowered} of {dots} matmuls lowered to {instruction}")
+    row["ok"] = not problems
+    row["error"] = "; ".join(problems) or None
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def _worker(spec: dict) -> list[dict]:
+    """Builds shard ``spec['shard']`` of ``spec['jobs']`` of every (target, arch) pair."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile-check workers must run without TRITON_INTERPRET")
+    targets, problems = _collect(spec["modules"])
+    pattern = spec.get("kernel")
+    builds = [(m, t, arch) for m, t in targets for arch in spec["archs"]
+              if (not pattern or pattern in t["kernel"]) and arch in t.get("archs", ARCHS)]
+    rows = [dict(r, index=-1) for r in problems] if spec["shard"] == 0 else []
+    for index in range(spec["shard"], len(builds), spec["jobs"]):
+        rows.append(dict(_build(*builds[index]), index=index))
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# Driver side
+# --------------------------------------------------------------------------------------
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    # keep Triton's current default (fused multiply-add on) without its deprecation warning
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    # the workers resolve fasttrans exactly as this process does (editable installs, pytest paths)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def run(archs: list[str], jobs: int = 2, kernel: str | None = None, modules: list[str] | None = None) -> list[dict]:
+    """Compile everything in ``jobs`` worker processes; one result row per build (or problem)."""
+    modules = modules or _module_names()
+    procs = []
+    for shard in range(jobs):
+        spec = dict(archs=archs, jobs=jobs, shard=shard, kernel=kernel, modules=modules)
+        code = ("import json, sys; from fasttrans.compile_check import _worker; "
+                "print(json.dumps(_worker(json.loads(sys.argv[1]))))")
+        procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], env=_worker_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    rows = []
+    for shard, proc in enumerate(procs):
+        out, err = proc.communicate()
+        try:
+            rows.extend(json.loads(out.strip().splitlines()[-1]))
+        except (json.JSONDecodeError, IndexError):
+            tail = (err or out).strip()[-1500:]
+            rows.append(dict(_problem("compile-check worker", f"worker {shard} failed (exit {proc.returncode}): {tail}"),
+                             index=-1))
+    return sorted(rows, key=lambda r: r["index"])  # the order of compile_targets(), architectures innermost
+
+
+def _format_table(rows: list[dict], seconds: float) -> str:
+    def cell(v):
+        return "-" if v is None else ("yes" if v is True else "no" if v is False else str(v))
+
+    header = ("kernel", "config", "arch", "ok", "regs", "spills", "shared", "tensor cores")
+    table = [header] + [
+        (r["kernel"], r["config"], r["arch"], "ok" if r["ok"] else "FAIL", cell(r["registers"]),
+         cell(r["spills"]), cell(r["shared_bytes"]), cell(r["tensor_cores"]))
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in table]
+    failed = [r for r in rows if not r["ok"]]
+    lines.append("")
+    for r in failed:
+        lines.append(f"FAIL {r['kernel']} [{r['config']}] {r['arch']}: {r['error']}")
+    lines.append(f"{len(rows)} builds, {len(failed)} failed, {seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fasttrans compile-check",
+        description="Compile every Triton kernel and shipped launch configuration for sm_80/sm_90 (no GPU "
+                    "needed) and report registers, spills, shared memory and tensor-core use.",
+    )
+    parser.add_argument("--arch", default="sm_80,sm_90",
+                        help="comma-separated target architectures (default: sm_80,sm_90)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of result objects")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="parallel worker processes (default: min(4, CPU count))")
+    parser.add_argument("--kernel", default=None, help="only kernels whose name contains this string")
+    parser.add_argument("--module", action="append", default=None,
+                        help="only this kernels module (e.g. attention; repeatable; default: all of kernels/)")
+    args = parser.parse_args(argv)
+
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ARCHS]
+    if bad or not archs:
+        parser.error(f"--arch: expected a comma-separated subset of {', '.join(ARCHS)}, got {args.arch!r}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected a positive integer, got {args.jobs}")
+
+    start = time.perf_counter()
+    rows = run(archs, jobs=args.jobs, kernel=args.kernel, modules=args.module)
+    if args.json:
+        print(json.dumps([{k: r.get(k) for k in _RESULT_KEYS} for r in rows], indent=1))
+    else:
+        print(_format_table(rows, time.perf_counter() - start))
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

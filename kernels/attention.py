@@ -1,0 +1,997 @@
+"""Fused scaled dot-product attention in Triton: forward, backward, every mask kind.
+
+Math (per batch b, query head h, kv head h // (H // Hkv); log2 units inside the kernels)
+----------------------------------------------------------------------------------------
+Forward, one query tile of BLOCK_M rows against key tiles of BLOCK_N columns:
+
+    S    = scale * Q K^T + M_float              M_float: additive float mask (or 0)
+    S    = -inf where not allowed                allowed = bool mask & causal & key length
+    m_j  = max(m_{j-1}, rowmax(S_j))             online softmax, fp32 accumulators
+    P_j  = exp(S_j - m_j)
+    l_j  = l_{j-1} exp(m_{j-1} - m_j) + rowsum(P_j)
+    A_j  = A_{j-1} exp(m_{j-1} - m_j) + (P_j * Z_j / (1 - p)) V_j    Z: dropout keep-mask
+    O    = A / l,  lse = m + log(l)               saved in fp32 for the backward
+
+A row with no allowed key ends with l = 0: O = 0 and lse = +inf, so that the backward's
+exp(S - lse) recomputes P = 0 for it (never NaN). The running maximum is replaced by 0
+while it is still -inf, so exp(-inf - (-inf)) never appears.
+
+Backward, with P = exp(S - lse) recomputed tile by tile and Pd = P * Z / (1 - p):
+
+    delta = rowsum(dO * O)                        (preprocess kernel; = rowsum(P * dP))
+    dV    = Pd^T dO           dP = (dO V^T) * Z / (1 - p)
+    dS    = P * (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
+
+dS is also the gradient of a float mask (it is added to the scaled scores). dK/dV are
+computed by one program per key tile that loops over every query tile and, for grouped-
+query attention, over every query head of its kv group; dQ by one program per query tile
+looping over key tiles. No atomics: each output element is written by exactly one
+program, in a fixed order, so two backward passes are bit-identical.
+
+Dropout keep(b, h, i, j) = philox_uniform(seed, ((b H + h) Lq + i) Lk + j) >= p, with the
+offset computed in int64: a pure function of the position, regenerated identically by the
+forward, both backward kernels and the debug entry point ``attention_dropout_mask``.
+
+Mask specialisation: the host classifies the masks into constexprs (MASK_KIND none / bool
+/ float, HAS_KEY_LENGTHS, IS_CAUSAL, HAS_DROPOUT), so each combination compiles to its own
+kernel. Key tiles split into "full" tiles, where every (row, column) is allowed by the
+causal and key-length masks and which run without per-element masking, and boundary tiles
+(the causal diagonal, the last partial tile); tiles entirely above the diagonal or past a
+row's key length are never loaded. A dense mask is read through its strides (stride 0 on
+broadcast dims), never expanded in memory.
+
+The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
+one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
+the query tile of its inner loop can then stay small. Head dims above 128 run it twice,
+once for dV and once for dK, each with a single fp32 accumulator (two (BLOCK_N, 256) fp32
+accumulators do not fit in registers next to the rest).
+
+Limits: fp16, bf16, fp32 (fp64 runs on the reference and extension backends); head dims
+1..256 (padded to a power of two >= 16, padded lanes masked); any Lq, Lk; H a multiple of
+Hkv; q/k/v with stride(-1) == 1; batch and head offsets in int64, so tensors with more
+than 2^31 elements work. Grids are (query or key tiles, heads, batch): at most 65535 heads
+and 65535 batch entries. The GPU configurations are tuned for fp16/bf16 on sm_80 and sm_90
+(compute capability >= 9 uses the sm_90 table); fp32 inputs run the same configurations with
+IEEE fp32 matmuls on FMA units (tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is
+set): correct, not tuned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
+
+# --------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------
+# Mask kinds (the MASK_KIND constexpr)
+MASK_NONE = 0
+MASK_BOOL = 1  # True (stored as uint8 1) = may attend
+MASK_FLOAT = 2  # added to the scaled scores
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x) = exp2(x * log2(e))
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> triton.Config:
+    meta = {"BLOCK_M": block_m} if block_n is None else {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+# GPU configurations, autotuned per (architecture, head-dim class, weight). The architecture is
+# "sm_90" for compute capability >= 9 (wgmma) and "sm_80" below (mma.sync, which holds both
+# matmul operands in registers and so needs smaller tiles). The head-dim class is the padded
+# head dim BLOCK_D rounded up to 64, 128 or 256. "heavy" launches read a dense mask tile or
+# generate dropout bits per element (more registers live per tile); "light" ones have at most
+# key lengths and causal masking. BLOCK_M is the query tile, BLOCK_N the key tile in every
+# kernel. `python -m fasttrans compile-check` (part of the test suite) compiles every entry for
+# its architecture in its worst specialisation (light: causal + key lengths; heavy: float
+# mask and its gradient + causal + key lengths + dropout): each must spill nothing and lower
+# every matmul to mma.sync (sm_80) / wgmma (sm_90). wgmma needs a matmul M dimension >= 64:
+# the query tile in the forward and dQ kernels, the key tile in the dK/dV kernel (which
+# computes transposed for that reason).
+FWD_CONFIGS = {
+    "sm_90": {
+        (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
+        (64, "heavy"): [_cfg(64, 64, 4, 2)],
+        (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (256, "light"): [_cfg(64, 32, 4, 2), _cfg(128, 64, 8, 2)],
+        (256, "heavy"): [_cfg(64, 16, 4, 1)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
+        (64, "heavy"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
+        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (256, "light"): [_cfg(64, 16, 4, 1)],
+        (256, "heavy"): [_cfg(64, 16, 4, 1)],
+    },
+}
+# dK/dV: one program per key tile (BLOCK_N), inner loop over query tiles (BLOCK_M). Head dims
+# above 128 run it twice (dV, then dK), one fp32 accumulator at a time.
+BWD_DKDV_CONFIGS = {
+    "sm_90": {
+        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        (64, "heavy"): [_cfg(32, 64, 4, 2)],
+        (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        (128, "heavy"): [_cfg(16, 64, 4, 2), _cfg(16, 128, 8, 2)],
+        (256, "light"): [_cfg(16, 64, 8, 2)],
+        (256, "heavy"): [_cfg(16, 64, 8, 2)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        (64, "heavy"): [_cfg(16, 64, 4, 2)],
+        (128, "light"): [_cfg(16, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        (128, "heavy"): [_cfg(16, 64, 8, 2), _cfg(16, 32, 4, 2)],
+        (256, "light"): [_cfg(16, 64, 8, 1)],
+        (256, "heavy"): [_cfg(16, 32, 4, 1)],
+    },
+}
+# dQ: one program per query tile (BLOCK_M), inner loop over key tiles (BLOCK_N).
+BWD_DQ_CONFIGS = {
+    "sm_90": {
+        (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 64, 4, 2)],
+        (64, "heavy"): [_cfg(64, 32, 4, 2)],
+        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
+        (256, "light"): [_cfg(64, 32, 4, 2)],
+        (256, "heavy"): [_cfg(64, 16, 8, 2)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 32, 4, 2)],
+        (64, "heavy"): [_cfg(64, 32, 4, 2)],
+        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 8, 2)],
+        (256, "light"): [_cfg(64, 32, 8, 1), _cfg(64, 16, 4, 1)],
+        (256, "heavy"): [_cfg(32, 16, 4, 1)],
+    },
+}
+# delta = rowsum(dO * O): one configuration per head-dim class, 8K elements per operand tile
+BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 256: _cfg(32, None, 4, 1)}
+DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
+
+# The interpreter (TRITON_INTERPRET=1, CPU) runs one fixed small configuration: tiles small
+# enough that awkward sizes exercise partial tiles, multi-tile loops and BLOCK_M != BLOCK_N.
+INTERPRETER_CONFIGS = {
+    "fwd": _cfg(32, 16, 4, 1),
+    "dkdv": _cfg(16, 32, 4, 1),
+    "dq": _cfg(32, 16, 4, 1),
+    "preprocess": _cfg(32, None, 4, 1),
+    "dropout_mask": _cfg(64, 128, 4, 1),  # large: the interpreter's cost is per tile operation
+}
+
+# Autotuning keys: sequence lengths enter only through power-of-two buckets (LQ_BUCKET,
+# LK_BUCKET), so tuning runs at most once per bucket and feature combination.
+_TUNE_KEY = ["HEAD_DIM", "MASK_KIND", "HAS_KEY_LENGTHS", "IS_CAUSAL", "HAS_DROPOUT", "LQ_BUCKET", "LK_BUCKET"]
+_MAX_BUCKET = 1 << 16
+
+
+def _gpu_arch(device: torch.device) -> str:
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_80"
+
+
+def _head_dim_class(block_d: int) -> int:
+    return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+
+
+def _weight(mask_kind: int, dropout: bool) -> str:
+    return "heavy" if mask_kind != MASK_NONE or dropout else "light"
+
+
+def _dkdv_outputs(block_d: int) -> tuple[str, ...]:
+    # two fp32 (BLOCK_N, 256) accumulators do not fit in registers next to the rest
+    return ("dkdv",) if block_d <= 128 else ("dv", "dk")
+
+
+def _bucket(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), _MAX_BUCKET)
+
+
+# --------------------------------------------------------------------------------------
+# Shared jit helpers
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b in fp32. DOT_FP32 upcasts the operands (the interpreter's bf16 dot is wrong)."""
+    if DOT_FP32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile; lanes outside (row_ok, d_ok) read 0 and are never touched."""
+    if MASK_ROWS:
+        if MASK_D:
+            x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if MASK_D:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dropout_keep(seed, dropout_p, rng_offsets):
+    """Keep-mask for int64 offsets ((b H + h) Lq + i) Lk + j: uniform(seed, offset) >= p."""
+    return tl.rand(seed, rng_offsets) >= dropout_p
+
+
+@triton.jit
+def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
+    """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the load."""
+    mval = tl.load(mask_ptrs, mask=load_ok, other=0)
+    if MASK_KIND == 1:  # MASK_BOOL: nonzero = may attend
+        s = tl.where(mval != 0, s, float("-inf"))
+    else:
+        s = s + mval.to(tl.float32) * LOG2E
+    return s
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _attention_fwd_inner(
+    acc, l_i, m_i,  # running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
+    q,  # (BLOCK_M, BLOCK_D) query tile
+    K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
+    Mask_rows,  # the dense mask at (batch, head, first row of the tile, key 0)
+    offs_m, row_ok, d_ok,  # query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
+    rng_rows,  # (BLOCK_M,) int64: ((b H + h) Lq + i) Lk, the dropout offsets of key 0
+    lo, hi, kv_len, causal_offset, qk_scale, dropout_p, seed,
+    stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # Tile pointers are rebuilt each iteration from scalar bases: a loop-carried pointer tensor
+    # would hold a 64-bit address per element in registers.
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < kv_len
+        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
+                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+        s = s * qk_scale
+        if MASK_KIND != 0:
+            mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
+                + offs_n[None, :] * stride_mask_n
+            if ELEMENT_MASKED:
+                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            else:
+                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
+        if ELEMENT_MASKED:
+            allowed = col_ok[None, :]
+            if IS_CAUSAL:
+                allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, dropout_p, rng_rows[:, None] + cols[None, :])
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
+                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # (B, H, Lq, D) queries, stride(-1) == 1
+    K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
+    Out,  # (B, H, Lq, D) output, written
+    Lse,  # (B, H, Lq) fp32 log-sum-exp (natural log), contiguous, written
+    Mask,  # (B, H, Lq, Lk) dense mask (uint8 bool or float) read through strides, or unused
+    KeyLengths,  # (B,) int32 key lengths, or unused
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_o_b, stride_o_h, stride_o_m,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on broadcast dims
+    H, GROUP,  # query heads, query heads per kv head
+    Lq, Lk, causal_offset,  # query i may attend key j <= i + causal_offset when IS_CAUSAL
+    scale, dropout_p, seed,
+    LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hkv = off_h // GROUP
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    start_m64 = tl.cast(start_m, tl.int64)
+
+    kv_len = Lk
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.load(KeyLengths + off_b)
+    # [0, full_end): tiles every row of this block may see entirely; [full_end, hi): boundary
+    # tiles (causal diagonal, last partial tile); beyond hi nothing is loaded.
+    hi = kv_len
+    full_end = kv_len
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
+        full_end = tl.minimum(full_end, start_m + causal_offset + 1)
+    hi = tl.maximum(hi, 0)
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+
+    q_ptrs = Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m \
+        + rows[:, None] * stride_q_m + offs_d[None, :]
+    q = _load_tile(q_ptrs, row_ok, d_ok, True, MASK_D)
+    K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
+    V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
+    Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
+    rng_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    qk_scale = scale * LOG2E
+
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, rng_rows,
+        0, full_end, kv_len, causal_offset, qk_scale, dropout_p, seed,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
+    )
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, rng_rows,
+        full_end, hi, kv_len, causal_offset, qk_scale, dropout_p, seed,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
+    )
+
+    # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    o_ptrs = Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m \
+        + rows[:, None] * stride_o_m + offs_d[None, :]
+    if MASK_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + (off_b * H + off_h) * Lq + offs_m, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    Out, DO,  # (B, H, Lq, D) forward output and its gradient, stride(-1) == 1
+    Delta,  # (B, H, Lq) fp32 rowsum(dO * O), contiguous, written
+    stride_o_b, stride_o_h, stride_o_m,
+    stride_do_b, stride_do_h, stride_do_m,
+    H, Lq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = start_m + rows < Lq
+    d_ok = offs_d < HEAD_DIM
+    start_m64 = tl.cast(start_m, tl.int64)
+    o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
+                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, HEAD_DIM != BLOCK_D)
+    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
+                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, HEAD_DIM != BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (off_b * H + off_h) * Lq + start_m + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _attention_bwd_dkdv_inner(
+    dk, dv,  # (BLOCK_N, BLOCK_D) fp32 accumulators
+    k, v,  # (BLOCK_N, BLOCK_D) key/value tile
+    Q_b, DO_b,  # this batch's queries and output gradients at (head 0, row 0)
+    Mask_b,  # the dense mask at (batch, head 0, row 0, first key of the tile)
+    Lse_b, Delta_b,  # this batch's (H, Lq) lse and delta
+    cols, col_ok, d_ok,  # key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
+    rng_b,  # int64 b H Lq: dropout offsets are ((b H + h) Lq + i) Lk + j
+    head0, GROUP, lo, num_tiles,  # query heads head0 .. head0 + GROUP - 1, each over num_tiles tiles from lo
+    Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+    stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
+    OUTPUT: tl.constexpr,  # "dkdv", or "dk" / "dv" alone (one accumulator: large head dims)
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # One flat loop over (query head of the group, query tile), heads in a fixed order: a
+    # nested loop over heads would keep two pipelined loops' state alive at once.
+    # Everything is computed transposed, (key columns, query rows), so that every matmul has
+    # the key tile as its M dimension (BLOCK_N >= 64 gives Hopper's wgmma) while the query
+    # tile BLOCK_M can stay small; lse and delta are then per-column vectors.
+    rows_local = tl.arange(0, BLOCK_M)
+    cols_local = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for t in range(0, GROUP * num_tiles):
+        g = t // num_tiles
+        start_m = lo + (t - g * num_tiles) * BLOCK_M
+        off_h = head0 + g
+        start_m64 = tl.cast(start_m, tl.int64)
+        rows = start_m + rows_local
+        row_ok = rows < Lq
+        q = _load_tile(Q_b + off_h * stride_q_h + start_m64 * stride_q_m + rows_local[:, None] * stride_q_m
+                       + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
+                        + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        row_base = off_h * Lq + rows  # int64 (BLOCK_M,): rows of this batch's (H, Lq) statistics
+        # rows past Lq read lse = +inf, hence P = 0
+        lse2 = tl.load(Lse_b + row_base, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(Delta_b + row_base, mask=row_ok, other=0.0)
+        s_t = _dot(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+        s_t = s_t * qk_scale  # S^T, (BLOCK_N, BLOCK_M)
+        if MASK_KIND != 0:
+            mask_ptrs = Mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m \
+                + cols_local[:, None] * stride_mask_n + rows_local[None, :] * stride_mask_m
+            if ELEMENT_MASKED:
+                s_t = _apply_dense_mask(s_t, mask_ptrs, col_ok[:, None] & row_ok[None, :], MASK_KIND)
+            else:
+                s_t = _apply_dense_mask(s_t, mask_ptrs, row_ok[None, :], MASK_KIND)
+        if ELEMENT_MASKED:
+            allowed = col_ok[:, None]
+            if IS_CAUSAL:
+                allowed = allowed & (cols[:, None] <= rows[None, :] + causal_offset)
+            s_t = tl.where(allowed, s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(seed, dropout_p, ((rng_b + row_base) * Lk)[None, :] + cols[:, None])
+            inv_keep = 1.0 / (1.0 - dropout_p)
+        if OUTPUT != "dk":
+            pd_t = p_t
+            if HAS_DROPOUT:
+                pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+            dv = _dot(pd_t.to(do.dtype), do, dv, DOT_FP32, INPUT_PRECISION)
+        if OUTPUT != "dv":
+            dp_t = _dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+            if HAS_DROPOUT:
+                dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = _dot(ds_t.to(q.dtype), q, dk, DOT_FP32, INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q,  # (B, H, Lq, D) queries, stride(-1) == 1
+    K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
+    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
+    Lse, Delta,  # (B, H, Lq) fp32, contiguous
+    DK, DV,  # (B, Hkv, Lk, D) gradients, written (summed over the kv group's query heads)
+    Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    KeyLengths,  # (B,) int32, or unused
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_m,
+    stride_dk_b, stride_dk_h, stride_dk_n,
+    stride_dv_b, stride_dv_h, stride_dv_n,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, causal_offset,
+    scale, dropout_p, seed,
+    LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    OUTPUT: tl.constexpr,  # "dkdv"; or "dk" / "dv": two launches, each with one accumulator
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_hkv = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+
+    cols_local = tl.arange(0, BLOCK_N)
+    cols = start_n + cols_local
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    start_n64 = start_n.to(tl.int64)
+
+    kv_len = Lk
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.load(KeyLengths + off_b)
+    col_ok = cols < kv_len  # keys past the length are never loaded; their gradients are 0
+    k = _load_tile(K + off_b * stride_k_b + off_hkv * stride_k_h + start_n64 * stride_k_n
+                   + cols_local[:, None] * stride_k_n + offs_d[None, :], col_ok, d_ok, True, MASK_D)
+    v = _load_tile(V + off_b * stride_v_b + off_hkv * stride_v_h + start_n64 * stride_v_n
+                   + cols_local[:, None] * stride_v_n + offs_d[None, :], col_ok, d_ok, True, MASK_D)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    # Query tiles [lo, split) need per-element masking (the causal diagonal, or every tile when
+    # this key tile is partial), [split, end) are full; rows before lo never see this tile.
+    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    lo = 0
+    split = 0
+    if IS_CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        split = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
+    split = tl.where(start_n + BLOCK_N > kv_len, end, split)
+    lo = tl.where(start_n >= kv_len, end, lo)
+    lo = tl.minimum(lo, end)
+    split = tl.minimum(tl.maximum(split, lo), end)
+    qk_scale = scale * LOG2E
+
+    Q_b = Q + off_b * stride_q_b
+    DO_b = DO + off_b * stride_do_b
+    Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
+    rng_b = off_b * H * Lq
+    head0 = off_hkv * GROUP
+    dk, dv = _attention_bwd_dkdv_inner(
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, rng_b,
+        head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+        stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
+        INPUT_PRECISION,
+    )
+    dk, dv = _attention_bwd_dkdv_inner(
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, rng_b,
+        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+        stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
+        INPUT_PRECISION,
+    )
+
+    dk = dk * scale
+    store_ok = (cols < Lk)[:, None]
+    if MASK_D:
+        store_ok = store_ok & d_ok[None, :]
+    if OUTPUT != "dv":
+        tl.store(DK + off_b * stride_dk_b + off_hkv * stride_dk_h + start_n64 * stride_dk_n
+                 + cols_local[:, None] * stride_dk_n + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=store_ok)
+    if OUTPUT != "dk":
+        tl.store(DV + off_b * stride_dv_b + off_hkv * stride_dv_h + start_n64 * stride_dv_n
+                 + cols_local[:, None] * stride_dv_n + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _attention_bwd_dq_inner(
+    dq,  # (BLOCK_M, BLOCK_D) fp32 accumulator
+    q, do, lse2, delta,  # query tile, its output gradient, lse (log2 units) and delta rows
+    K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
+    Mask_rows, DMask_rows,  # the dense mask / its gradient at (batch, head, first row of the tile, key 0)
+    offs_m, row_ok, d_ok, rng_rows,
+    lo, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+    stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+    ELEMENT_MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < kv_len
+        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
+                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+        v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
+                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+        s = s * qk_scale
+        if MASK_KIND != 0:
+            mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
+                + offs_n[None, :] * stride_mask_n
+            if ELEMENT_MASKED:
+                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            else:
+                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
+        if ELEMENT_MASKED:
+            allowed = col_ok[None, :]
+            if IS_CAUSAL:
+                allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(allowed, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, dropout_p, rng_rows[:, None] + cols[None, :])
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if MASK_GRAD:
+            # every (row, column) is visited by exactly one program: plain stores, zeros elsewhere
+            tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds,
+                     mask=row_ok[:, None] & (cols < Lk)[None, :])
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32, INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q,  # (B, H, Lq, D) queries, stride(-1) == 1
+    K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
+    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
+    Lse, Delta,  # (B, H, Lq) fp32, contiguous
+    DQ,  # (B, H, Lq, D) gradient, written
+    DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
+    Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    KeyLengths,  # (B,) int32, or unused
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_m,
+    stride_dq_b, stride_dq_h, stride_dq_m,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, causal_offset,
+    scale, dropout_p, seed,
+    LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hkv = off_h // GROUP
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    start_m64 = tl.cast(start_m, tl.int64)
+
+    kv_len = Lk
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.load(KeyLengths + off_b)
+    hi = kv_len  # the same tile split as the forward
+    full_end = kv_len
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
+        full_end = tl.minimum(full_end, start_m + causal_offset + 1)
+    hi = tl.maximum(hi, 0)
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+
+    q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
+                   + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
+                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    row_base = (off_b * H + off_h) * Lq
+    lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    rng_rows = (row_base + offs_m) * Lk
+
+    K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
+    V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
+    Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
+    DMask_rows = DMask + (row_base + start_m64) * Lk
+    qk_scale = scale * LOG2E
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    dq = _attention_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, rng_rows,
+        0, full_end, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
+        DOT_FP32, INPUT_PRECISION,
+    )
+    dq = _attention_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, rng_rows,
+        full_end, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
+        DOT_FP32, INPUT_PRECISION,
+    )
+
+    dq = dq * scale
+    store_ok = row_ok[:, None]
+    if MASK_D:
+        store_ok = store_ok & d_ok[None, :]
+    tl.store(DQ + off_b * stride_dq_b + off_h * stride_dq_h + start_m64 * stride_dq_m
+             + rows[:, None] * stride_dq_m + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=store_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Dropout keep-mask (debug entry point)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _attention_dropout_mask_kernel(
+    Keep,  # (B, H, Lq, Lk) uint8 keep-mask, contiguous, written
+    H, Lq, Lk, dropout_p, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < Lq
+    rng_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk  # the offsets are also the output positions
+    for start_n in range(0, Lk, BLOCK_N):
+        cols = start_n + offs_n
+        offsets = rng_rows[:, None] + cols[None, :]
+        keep = _dropout_keep(seed, dropout_p, offsets)
+        tl.store(Keep + offsets, keep.to(tl.uint8), mask=row_ok[:, None] & (cols < Lk)[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Autotuned wrappers (GPU): one per kernel, head-dim class and weight
+# --------------------------------------------------------------------------------------
+def _autotuned(kernel, configs: dict, *extra_key: str) -> dict:
+    """{(arch, head-dim class, weight): autotuner over that entry's configurations}."""
+    key = _TUNE_KEY + list(extra_key)
+    return {(arch, *k): triton.autotune(configs=cfgs, key=key)(kernel)
+            for arch, table in configs.items() for k, cfgs in table.items()}
+
+
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, FWD_CONFIGS)
+_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, BWD_DKDV_CONFIGS, "OUTPUT")
+_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, BWD_DQ_CONFIGS, "MASK_GRAD")
+
+
+# --------------------------------------------------------------------------------------
+# Launchers (the backend interface of fasttrans.backends)
+# --------------------------------------------------------------------------------------
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    # read at launch time: the test suite switches the interpreter on before importing triton
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"q: the triton attention kernels take float16, bfloat16 or float32, got {q.dtype} "
+            "(float64 runs on the reference and extension backends)"
+        )
+
+
+def _run(kernel, cfg: triton.Config, grid, args, constexprs) -> None:
+    kernel[grid(cfg.kwargs)](*args, **constexprs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
+    """Run ``kernel`` with the interpreter's fixed configuration, or its GPU autotuner.
+
+    ``grid`` maps the launch meta-parameters (BLOCK_M, BLOCK_N) to the launch grid.
+    """
+    if _interpreting():
+        _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, constexprs)
+        return
+    device = args[0].device
+    key = (_gpu_arch(device), _head_dim_class(constexprs["BLOCK_D"]),
+           _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
+    with torch.cuda.device(device):
+        tuned[key][grid](*args, **constexprs)
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    return {
+        # the interpreter's bf16 tl.dot is wrong: upcast the operands there (tensor cores on GPU)
+        "DOT_FP32": dtype == torch.bfloat16 and _interpreting(),
+        "INPUT_PRECISION": "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee",
+    }
+
+
+def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
+    """(tensor, MASK_KIND, strides) for the kernels; a bool mask is read as uint8 (same bytes)."""
+    if attn_mask is None:
+        return q, MASK_NONE, (0, 0, 0, 0)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask.view(torch.uint8), MASK_BOOL, attn_mask.stride()
+    return attn_mask, MASK_FLOAT, attn_mask.stride()
+
+
+def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
+    D = q.shape[3]
+    _, mask_kind, _ = _mask_operand(attn_mask, q)
+    return dict(
+        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), MASK_KIND=mask_kind,
+        HAS_KEY_LENGTHS=key_lengths is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=dropout_p > 0.0,
+        **_dot_options(q.dtype),
+    )
+
+
+def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+    """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
+    _check_dtype(q)
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    if Lk == 0:  # no key at all: every row is empty
+        return out.zero_(), lse.fill_(float("inf"))
+    mask, _, mstride = _mask_operand(attn_mask, q)
+    args = (
+        q, k, v, out, lse, mask, key_lengths if key_lengths is not None else q,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *mstride,
+        H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), int(seed),
+        _bucket(Lq), _bucket(Lk),
+    )
+    _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+            args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
+    return out, lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+                  dropout_p, scale, seed, mask_grad):
+    """Backend interface: (dq, dk, dv, dmask fp32 (B, H, Lq, Lk) or None), deterministic."""
+    _check_dtype(q)
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, Hkv, Lk, D), dtype=v.dtype, device=v.device)
+    # tiles a program skips (above the diagonal, past a key length) are never written: zeros
+    dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if mask_grad else None
+    if Lk == 0:
+        return dq.zero_(), dk, dv, dmask
+    lse = lse.contiguous()
+    mask, _, mstride = _mask_operand(attn_mask, q)
+    kl = key_lengths if key_lengths is not None else q
+    feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
+    buckets = (_bucket(Lq), _bucket(Lk))
+
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    pre = INTERPRETER_CONFIGS["preprocess"] if _interpreting() else BWD_PREPROCESS_CONFIGS[
+        _head_dim_class(feats["BLOCK_D"])]
+    pre_args = (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2), H, Lq)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+             pre_args, dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
+
+    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), int(seed), *buckets)
+    for output in _dkdv_outputs(feats["BLOCK_D"]):
+        _launch(
+            _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
+            (q, k, v, dout, lse, delta, dk, dv, mask, kl,
+             q.stride(0), q.stride(1), q.stride(2),
+             k.stride(0), k.stride(1), k.stride(2),
+             v.stride(0), v.stride(1), v.stride(2),
+             dout.stride(0), dout.stride(1), dout.stride(2),
+             dk.stride(0), dk.stride(1), dk.stride(2),
+             dv.stride(0), dv.stride(1), dv.stride(2),
+             *mstride, *common),
+            dict(feats, OUTPUT=output),
+        )
+    _launch(
+        _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+        (q, k, v, dout, lse, delta, dq, dmask if mask_grad else q, mask, kl,
+         q.stride(0), q.stride(1), q.stride(2),
+         k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2),
+         dout.stride(0), dout.stride(1), dout.stride(2),
+         dq.stride(0), dq.stride(1), dq.stride(2),
+         *mstride, *common),
+        dict(feats, MASK_GRAD=bool(mask_grad)),
+    )
+    return dq, dk, dv, dmask
+
+
+def attention_dropout_mask(q, k, dropout_p, seed):
+    """Backend interface: the bool (B, H, Lq, Lk) keep-mask attention_fwd uses for ``seed``."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    keep = torch.empty((B, H, Lq, Lk), dtype=torch.uint8, device=q.device)
+    if Lk == 0:
+        return keep.view(torch.bool)
+    cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _run(_attention_dropout_mask_kernel, cfg, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+             (keep, H, Lq, Lk, float(dropout_p), int(seed)), {})
+    return keep.view(torch.bool)
+
+
+# --------------------------------------------------------------------------------------
+# Compile targets (python -m fasttrans compile-check)
+# --------------------------------------------------------------------------------------
+# pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
+_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
+_FIXED_TYPES = {"Lse": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32", "Keep": "*u8",
+                "scale": "fp32", "dropout_p": "fp32"}
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
+                    dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None, **extra) -> dict:
+    """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
+
+    light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
+    which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
+    and dropout. Head dim = the class's largest (no padded lanes).
+    """
+    io = "*" + _TRITON_DTYPE[dtype]
+    params = [p.name for p in kernel.params if not p.is_constexpr]
+    constexprs = dict(cfg.kwargs, **extra)
+    if dclass is not None:
+        constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
+    if weight is not None:
+        heavy = weight == "heavy"
+        constexprs.update(DOT_FP32=False, INPUT_PRECISION="ieee", MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
+                          HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
+        if heavy:
+            constexprs["stride_mask_n"] = 1
+        if "MASK_GRAD" in kernel.arg_names:
+            constexprs["MASK_GRAD"] = heavy
+        constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    signature = {
+        p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
+        for p in params if p not in constexprs
+    }
+    parts = [f"d{dclass}" if dclass else None, weight, "m{BLOCK_M}".format(**cfg.kwargs),
+             "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,
+             f"w{cfg.num_warps}s{cfg.num_stages}", extra.get("OUTPUT") if extra.get("OUTPUT", "dkdv") != "dkdv"
+             else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None]
+    target = dict(
+        kernel=name, fn=kernel, config="-".join(x for x in parts if x), signature=signature, constexprs=constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, matmul=matmul,
+        divisible_by_16=[p for p in signature if p.startswith("stride_")],
+    )
+    if archs is not None:
+        target["archs"] = list(archs)
+    return target
+
+
+def compile_targets() -> list[dict]:
+    """Every kernel in every shipped GPU configuration, for ``python -m fasttrans compile-check``."""
+    targets = []
+    for arch in ("sm_80", "sm_90"):
+        for (dclass, weight), cfgs in FWD_CONFIGS[arch].items():
+            targets += [_compile_target(_attention_fwd_kernel, "attention_fwd", c, dclass, weight, archs=[arch])
+                        for c in cfgs]
+        for (dclass, weight), cfgs in BWD_DKDV_CONFIGS[arch].items():
+            targets += [_compile_target(_attention_bwd_dkdv_kernel, "attention_bwd_dkdv", c, dclass, weight,
+                                        archs=[arch], OUTPUT=out) for c in cfgs for out in _dkdv_outputs(dclass)]
+        for (dclass, weight), cfgs in BWD_DQ_CONFIGS[arch].items():
+            targets += [_compile_target(_attention_bwd_dq_kernel, "attention_bwd_dq", c, dclass, weight, archs=[arch])
+                        for c in cfgs]
+        # bf16 lowers through the same tensor-core paths; one build per matmul kernel proves it
+        targets += [
+            _compile_target(_attention_fwd_kernel, "attention_fwd", FWD_CONFIGS[arch][(128, "light")][0], 128,
+                            "light", torch.bfloat16, archs=[arch]),
+            _compile_target(_attention_bwd_dkdv_kernel, "attention_bwd_dkdv",
+                            BWD_DKDV_CONFIGS[arch][(128, "light")][0], 128, "light", torch.bfloat16, archs=[arch],
+                            OUTPUT="dkdv"),
+            _compile_target(_attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS[arch][(128, "light")][0],
+                            128, "light", torch.bfloat16, archs=[arch]),
+        ]
+    for dclass, c in BWD_PREPROCESS_CONFIGS.items():
+        targets.append(_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
+                                       matmul=False))
+    targets.append(_compile_target(_attention_dropout_mask_kernel, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
+                                   None, None, matmul=False))
+    return targets

@@ -1,0 +1,374 @@
+"""The Triton attention kernels (kernels/attention.py): forward, backward, every mask kind.
+
+Without a GPU the kernels run through Triton's interpreter (tests/conftest.py switches it on)
+with small tiles (kernels/attention.py: INTERPRETER_CONFIGS), so the awkward sizes here
+(1, 17, 97) exercise partial tiles, multi-tile loops and the causal diagonal. ``pytest -m
+gpu`` runs the same checks on CUDA plus larger shapes and torch.compile.
+
+Every output and gradient (q, k, v, and a float attn_mask) is compared with
+fasttrans.reference under autograd: in fp64 on fp32 inputs, and for fp16/bf16 with the 2x
+rule (tests/helpers.assert_close_lowp) against the fp32 reference on upcast inputs, with the
+same-precision baseline ``reference.attention(..., upcast=False)`` on the low-precision inputs.
+"""
+
+import os
+
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import backends, functional, reference
+
+from helpers import FLOOR, assert_close_lowp, make_bool_mask, make_float_mask
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
+if _why is not None and "not importable" in _why:
+    pytest.skip(f"triton backend: {_why}", allow_module_level=True)
+
+from fasttrans.kernels import attention as K  # noqa: E402  (after conftest chose the interpreter)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+        not _INTERPRETED, reason="Triton runs on CPU only through the interpreter (enabled when there is no CUDA)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+LOW = (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# running attention three ways: Triton, the fp32/fp64 reference, PyTorch in low precision
+# ---------------------------------------------------------------------------------------
+def _masks(kind: str, B, H, Lq, Lk, device, float_dtype=torch.float32):
+    """attention kwargs for a mask kind; '+' combines kinds. 'causal_br' is bottom-right aligned."""
+    kw = {}
+    for part in kind.split("+"):
+        if part == "none":
+            continue
+        if part == "bool":
+            kw["attn_mask"] = make_bool_mask((B, 1, Lq, Lk), device)  # broadcast over heads
+        elif part == "float":
+            kw["attn_mask"] = make_float_mask((H, Lq, Lk), device, dtype=float_dtype)  # broadcast over batch
+        elif part == "key_lengths":
+            kl = torch.randint(1, Lk + 1, (B,), device=device)
+            kl[0] = max(Lk // 2, 1)  # a partial last key tile
+            kw["key_lengths"] = kl
+        elif part == "causal":
+            kw["is_causal"] = True
+        elif part == "causal_br":
+            kw.update(is_causal=True, causal_offset=Lk - Lq)
+        elif part == "causal_neg":
+            kw.update(is_causal=True, causal_offset=-3)  # the first rows see no key at all
+        else:
+            raise ValueError(part)
+    return kw
+
+
+def _inputs(B, H, Hkv, Lq, Lk, D, device):
+    return (torch.randn(B, H, Lq, D, device=device), torch.randn(B, Hkv, Lk, D, device=device),
+            torch.randn(B, Hkv, Lk, D, device=device))
+
+
+def _run(fn, q, k, v, dout, kw, cast=None):
+    """{name: tensor}: the output and the gradients of q, k, v (and a float attn_mask) under autograd."""
+    leaves = {n: (t.to(cast) if cast else t).detach().clone().requires_grad_() for n, t in zip("qkv", (q, k, v))}
+    kw = dict(kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kw["attn_mask"] = leaves["mask"] = (mask.to(cast) if cast else mask).detach().clone().requires_grad_()
+    out = fn(leaves["q"], leaves["k"], leaves["v"], **kw)
+    out.backward(dout.to(out.dtype))
+    return {"out": out.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+
+
+def _triton(q, k, v, **kw):
+    with fasttrans.use_backend("triton"):
+        return fasttrans.attention(q, k, v, **kw)
+
+
+def _check(q, k, v, kw, dtype=torch.float32, dout=None):
+    """Triton output and every gradient against the reference (2x rule in low precision)."""
+    dout = torch.randn(q.shape, device=q.device) if dout is None else dout
+    got = _run(_triton, q, k, v, dout, kw, cast=dtype)
+    if dtype == torch.float32:
+        ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
+        base = {n: None for n in ref}
+    else:
+        ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float32)
+        base = _run(lambda *a, **k_: reference.attention(*a, upcast=False, **k_), q, k, v, dout, kw, cast=dtype)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=dtype)
+    return got
+
+
+# ---------------------------------------------------------------------------------------
+# every mask kind and combination, fp32, against the fp64 reference
+# ---------------------------------------------------------------------------------------
+MASK_COMBOS = ["none", "bool", "float", "key_lengths", "causal", "causal_br", "causal_neg", "bool+key_lengths",
+               "float+causal", "key_lengths+causal_br", "bool+key_lengths+causal", "float+key_lengths+causal_neg"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", MASK_COMBOS)
+def test_masks_match_reference(kind, device):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 33, 45, 24
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    _check(q, k, v, _masks(kind, B, H, Lq, Lk, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "bool+key_lengths+causal", "float+causal_br"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_low_precision_within_twice_torch_error(dtype, kind, device):
+    B, H, Hkv, Lq, Lk, D = 2, 2, 1, 40, 70, 64
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    _check(q, k, v, _masks(kind, B, H, Lq, Lk, device, float_dtype=dtype), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# sizes, head dims, grouped-query and strided inputs
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("Lq, Lk", [(1, 1), (1, 97), (97, 1), (97, 97), (17, 33)], ids=lambda s: str(s))
+def test_awkward_lengths(Lq, Lk, device):
+    q, k, v = _inputs(1, 2, 2, Lq, Lk, 40, device)
+    _check(q, k, v, _masks("causal_br", 1, 2, Lq, Lk, device))
+    _check(q, k, v, _masks("bool+key_lengths", 1, 2, Lq, Lk, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [1, 16, 40, 64, 80, 128, 200])
+def test_head_dims(D, device):
+    # 40 and 80 pad to 64 and 128 (masked lanes); 200 pads to 256, where dK and dV are two passes
+    q, k, v = _inputs(2, 2, 1, 19, 23, D, device)
+    _check(q, k, v, _masks("float+causal", 2, 2, 19, 23, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("D", [16, 80, 128])
+def test_head_dims_low_precision(D, dtype, device):
+    q, k, v = _inputs(1, 2, 2, 17, 31, D, device)
+    _check(q, k, v, _masks("key_lengths+causal", 1, 2, 17, 31, device), dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H, Hkv", [(6, 1), (6, 2), (6, 3), (4, 4)], ids=lambda s: str(s))
+def test_grouped_query_cross_attention(H, Hkv, device):
+    q, k, v = _inputs(2, H, Hkv, 21, 50, 32, device)
+    _check(q, k, v, _masks("float+key_lengths+causal_br", 2, H, 21, 50, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_and_broadcast_masks(device):
+    """(B, L, H, D)-layout views and masks with stride-0 broadcast dims, read without copies."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 18, 27, 32
+    q = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)  # (B, H, Lq, D), non-contiguous
+    kv = torch.randn(B, Lk, 2, Hkv, D, device=device)  # packed k and v
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous() and q.stride(-1) == 1
+    for mask in (make_float_mask((Lq, Lk), device), make_float_mask((B, 1, 1, Lk), device),
+                 make_bool_mask((1, H, Lq, 1), device, p_keep=0.8), make_float_mask((Lk, Lq), device).t()):
+        _check(q, k, v, {"attn_mask": mask, "is_causal": True})
+
+
+# ---------------------------------------------------------------------------------------
+# empty rows, zero key lengths, determinism
+# ---------------------------------------------------------------------------------------
+def _backend_fwd(q, k, v, attn_mask=None, key_lengths=None, is_causal=False, causal_offset=0):
+    B, H, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(B, H, Lq, Lk)
+    kl = key_lengths.to(torch.int32) if key_lengths is not None else None
+    return K.attention_fwd(q, k, v, attn_mask, kl, is_causal, causal_offset, 0.0, q.shape[-1] ** -0.5, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_rows_give_zero_and_no_nan(device):
+    B, H, Lq, Lk, D = 2, 2, 20, 35, 16
+    q, k, v = _inputs(B, H, H, Lq, Lk, D, device)
+    mask = make_bool_mask((B, H, Lq, Lk), device)
+    mask[:, :, 3] = False  # row 3: nothing allowed
+    fmask = make_float_mask((B, H, Lq, Lk), device)
+    fmask[:, :, 5] = float("-inf")  # row 5: every score -inf
+    kl = torch.tensor([0, Lk], device=device)  # batch 0: no key at all
+    for kw in ({"attn_mask": mask}, {"attn_mask": fmask}, {"key_lengths": kl}, {"is_causal": True, "causal_offset": -4},
+               {"attn_mask": fmask, "key_lengths": kl, "is_causal": True}):
+        got = _check(q, k, v, kw)
+        for name, t in got.items():
+            assert torch.isfinite(t).all(), f"{name} has non-finite values for {list(kw)}"
+    out, lse = _backend_fwd(q, k, v, attn_mask=mask)
+    assert (out[:, :, 3] == 0).all() and torch.isposinf(lse[:, :, 3]).all()
+    assert torch.isfinite(lse[:, :, :3]).all()
+    out, lse = _backend_fwd(q, k, v, key_lengths=kl)
+    assert (out[0] == 0).all() and torch.isposinf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_length_zero_everywhere(device):
+    q, k, v = _inputs(2, 2, 1, 9, 13, 16, device)
+    kl = torch.zeros(2, dtype=torch.long, device=device)
+    got = _check(q, k, v, {"key_lengths": kl})
+    for name, t in got.items():
+        assert (t == 0).all(), f"{name}: expected exact zeros when no key may be attended"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_deterministic(device):
+    B, H, Hkv, Lq, Lk, D = 2, 2, 1, 37, 41, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = dict(attn_mask=make_float_mask((B, H, Lq, Lk), device), key_lengths=torch.tensor([41, 30], device=device),
+              is_causal=True, dropout_p=0.2)
+    dout = torch.randn(q.shape, device=device)
+
+    def once():
+        torch.manual_seed(1)
+        return _run(_triton, q, k, v, dout, kw)
+
+    first, second = once(), once()
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} differs between two identical runs"
+
+
+# ---------------------------------------------------------------------------------------
+# dropout
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keep_fraction(p, device):
+    # 65536 draws: the drop fraction's standard deviation is at most 0.002, so 0.01 is 5 sigma
+    q, k = torch.randn(2, 2, 128, 8, device=device), torch.randn(2, 1, 128, 8, device=device)
+    keep = K.attention_dropout_mask(q, k, p, 1234)
+    assert keep.dtype == torch.bool and keep.shape == (2, 2, 128, 128)
+    assert abs((~keep).float().mean().item() - p) <= 0.01
+    # a different position gets a different draw: heads and batches are not copies of each other
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+    assert torch.equal(keep, K.attention_dropout_mask(q, k, p, 1234))
+    assert not torch.equal(keep, K.attention_dropout_mask(q, k, p, 1235))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "float+key_lengths+causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_dropout_matches_reference_given_the_mask(kind, dtype, device):
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 23, 38, 32, 0.3
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = _masks(kind, B, H, Lq, Lk, device, float_dtype=dtype)
+    with fasttrans.use_backend("triton"):
+        torch.manual_seed(7)
+        keep = functional.attention_dropout_mask(q.to(dtype), k.to(dtype), p)
+    assert 0.2 < (~keep).float().mean().item() < 0.4
+    dout = torch.randn(q.shape, device=device)
+
+    def triton_dropout(q_, k_, v_, **kw_):
+        torch.manual_seed(7)  # the same seed draw as the keep-mask above
+        return _triton(q_, k_, v_, dropout_p=p, **kw_)
+
+    def ref_dropout(q_, k_, v_, **kw_):
+        return reference.attention(q_, k_, v_, dropout_p=p, dropout_mask=keep, **kw_)
+
+    def base_dropout(q_, k_, v_, **kw_):
+        return reference.attention(q_, k_, v_, dropout_p=p, dropout_mask=keep, upcast=False, **kw_)
+
+    got = _run(triton_dropout, q, k, v, dout, kw, cast=dtype)
+    ref = _run(ref_dropout, q, k, v, dout, kw, cast=torch.float64 if dtype == torch.float32 else torch.float32)
+    base = _run(base_dropout, q, k, v, dout, kw, cast=dtype) if dtype != torch.float32 else dict.fromkeys(ref)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library registration: torch.compile and opcheck through the Triton launchers
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_matches_eager(device):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 19, 23, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    mask = make_float_mask((H, Lq, Lk), device)
+    kl = torch.tensor([Lk, 10], device=device)
+    dout = torch.randn(q.shape, device=device)
+
+    def f(q_, k_, v_):
+        return fasttrans.attention(q_, k_, v_, attn_mask=mask, key_lengths=kl, is_causal=True)
+
+    with fasttrans.use_backend("triton"):
+        eager = _run(f, q, k, v, dout, {})
+        # on CPU the interpreter cannot run inside Inductor's generated code: trace-only backend
+        compiled_f = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+        compiled = _run(compiled_f, q, k, v, dout, {})
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_triton_ops(device):
+    fwd, bwd, _, _ = backends.ops_for("triton")
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 19, 23, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    mask = make_float_mask((B, H, Lq, Lk), device)
+    kl = torch.tensor([Lk, 10], device=device, dtype=torch.int32)
+    args = (q, k, v, mask, kl, True, 0, 0.1, D ** -0.5, 123)
+    torch.library.opcheck(fwd, tuple(t.clone().requires_grad_() if isinstance(t, torch.Tensor) and
+                                     t.is_floating_point() else t for t in args))
+    out, lse = fwd(*args)
+    torch.library.opcheck(bwd, (torch.randn_like(out), q, k, v, out, lse, mask, kl, True, 0, 0.1, D ** -0.5, 123,
+                                True))
+
+
+# ---------------------------------------------------------------------------------------
+# launcher contract
+# ---------------------------------------------------------------------------------------
+def test_float64_is_refused_with_a_reason():
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="q: .*float64"):
+        K.attention_fwd(q, q, q, None, None, False, 0, 0.0, 1.0, 0)
+
+
+def test_interpreter_tiles_are_small_and_unequal():
+    """The CPU tests rely on partial tiles and BLOCK_M != BLOCK_N for the sizes above."""
+    fwd, dkdv = K.INTERPRETER_CONFIGS["fwd"].kwargs, K.INTERPRETER_CONFIGS["dkdv"].kwargs
+    assert fwd["BLOCK_M"] != fwd["BLOCK_N"] and dkdv["BLOCK_M"] != dkdv["BLOCK_N"]
+    assert max(fwd.values()) < 97 and max(dkdv.values()) < 97
+
+
+def test_gpu_configurations_cover_every_class():
+    """Every (architecture, head-dim class, weight) has a handful of configurations; wgmma on
+    sm_90 needs the matmul M dimension (query tile; key tile in the transposed dK/dV) >= 64."""
+    for table in (K.FWD_CONFIGS, K.BWD_DKDV_CONFIGS, K.BWD_DQ_CONFIGS):
+        assert set(table) == {"sm_80", "sm_90"}
+        for arch, classes in table.items():
+            assert set(classes) == {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")}
+            assert all(1 <= len(cfgs) <= 4 for cfgs in classes.values())
+    for cfgs in K.FWD_CONFIGS["sm_90"].values():
+        assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
+    for cfgs in K.BWD_DQ_CONFIGS["sm_90"].values():
+        assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
+    for cfgs in K.BWD_DKDV_CONFIGS["sm_90"].values():
+        assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA only (pytest -m gpu): larger shapes, torch.compile, int64 offsets
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["none", "causal", "bool+key_lengths", "float+causal_br"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_large(D, dtype, kind):
+    B, H, Hkv, Lq, Lk = 2, 8, 2, 1000, 1537
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, "cuda")
+    _check(q, k, v, _masks(kind, B, H, Lq, Lk, "cuda", float_dtype=dtype), dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_more_than_2_31_elements():
+    """Batch/head offsets past 2^31 elements: the last batch entry must match its own small run."""
+    B, H, L, D = 2, 64, 2**18 + 17, 64  # 2 * 64 * 262161 * 64 > 2^31 elements
+    q = torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
+    k, v = torch.randn_like(q[:, :, :64]), torch.randn_like(q[:, :, :64])
+    out = _triton(q, k, v)
+    last = _triton(q[-1:, -1:, -100:].contiguous(), k[-1:, -1:], v[-1:, -1:])
+    torch.testing.assert_close(out[-1:, -1:, -100:], last, atol=FLOOR[torch.float16], rtol=0)

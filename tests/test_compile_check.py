@@ -1,0 +1,111 @@
+"""``python -m fasttrans compile-check``: every Triton kernel and shipped launch configuration.
+
+The full check compiles every target of kernels/attention.py and kernels/layernorm.py for
+sm_80 and sm_90 (no GPU needed) and requires zero register spills, shared memory within the
+architecture's limit and tensor-core matmuls (mma.sync / wgmma). It is the slowest test here:
+a first run compiles every build (minutes on two cores); later runs hit Triton's cache and only
+re-run ptxas. The other tests check that the tool can fail: a spilling configuration, a matmul
+that misses the tensor cores, a module without compile_targets, a module that does not exist.
+"""
+
+import json
+import textwrap
+import time
+
+import pytest
+
+from fasttrans import compile_check
+
+ARCHS = ["sm_80", "sm_90"]
+ATTENTION_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess",
+                     "attention_dropout_mask"}
+ATTENTION_MATMUL_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
+
+
+def _describe(rows):
+    return "\n".join(f"{r['kernel']} [{r['config']}] {r['arch']}: {r['error']}" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def all_rows():
+    start = time.perf_counter()
+    rows = compile_check.run(ARCHS, jobs=2)
+    print(f"\ncompile-check: {len(rows)} builds in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+@pytest.mark.slow
+def test_every_shipped_configuration_compiles_without_spills(all_rows):
+    failed = [r for r in all_rows if not r["ok"]]
+    assert not failed, "compile-check failures:\n" + _describe(failed)
+
+
+@pytest.mark.slow
+def test_attention_builds_cover_every_kernel_on_both_archs(all_rows):
+    rows = [r for r in all_rows if r["kernel"].startswith("attention")]
+    for arch in ARCHS:
+        assert {r["kernel"] for r in rows if r["arch"] == arch} == ATTENTION_KERNELS, arch
+        # each matmul kernel: every (head-dim class, weight) has a configuration for each arch
+        for kernel in ATTENTION_MATMUL_KERNELS:
+            classes = {tuple(r["config"].split("-")[:2]) for r in rows if r["kernel"] == kernel and r["arch"] == arch}
+            assert classes >= {(f"d{d}", w) for d in (64, 128, 256) for w in ("light", "heavy")}, (kernel, arch)
+    for r in rows:
+        assert r["spills"] == 0 and r["registers"] is not None and 0 < r["registers"] <= 255, r
+        assert 0 <= r["shared_bytes"] <= compile_check.SHARED_LIMIT[compile_check.ARCHS[r["arch"]]], r
+        if r["kernel"] in ATTENTION_MATMUL_KERNELS:
+            assert r["tensor_cores"] is True, f"{r['kernel']} [{r['config']}] {r['arch']}: no tensor cores"
+
+
+def test_json_output_has_the_documented_keys(capsys):
+    status = compile_check.main(["--json", "--module", "attention", "--kernel", "attention_dropout_mask",
+                                 "--arch", "sm_80", "--jobs", "1"])
+    rows = json.loads(capsys.readouterr().out)
+    assert status == 0, rows
+    assert len(rows) == 1
+    assert set(rows[0]) == {"kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores",
+                            "error"}
+    assert rows[0]["kernel"] == "attention_dropout_mask" and rows[0]["arch"] == "sm_80" and rows[0]["ok"]
+
+
+def test_rejects_an_unknown_arch():
+    with pytest.raises(SystemExit) as e:
+        compile_check.main(["--arch", "sm_70"])
+    assert e.value.code == 2
+
+
+@pytest.fixture
+def fake_kernels(tmp_path, monkeypatch):
+    """A package of kernels modules the workers can import: one broken in each way."""
+    pkg = tmp_path / "fake_kernels_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "no_targets.py").write_text("X = 1\n")
+    (pkg / "bad.py").write_text(textwrap.dedent('''
+        import torch
+        from fasttrans.kernels import attention as A
+
+
+        def compile_targets():
+            # a tile far too large for the registers (and shared memory) of one block
+            spills = A._compile_target(A._attention_fwd_kernel, "oversized_fwd", A._cfg(256, 64, 4, 1), 128, "light")
+            # fp32 operands with IEEE precision: the matmuls run on FMA units, not tensor cores
+            fma = A._compile_target(A._attention_fwd_kernel, "fp32_fwd", A._cfg(32, 32, 4, 1), 64, "light")
+            for name in ("Q", "K", "V", "Out", "Mask"):
+                fma["signature"][name] = "*fp32"
+            return [spills, fma]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fake_kernels_pkg"
+
+
+def test_reports_spills_missing_tensor_cores_and_broken_modules(fake_kernels):
+    rows = compile_check.run(["sm_80"], jobs=1, modules=["no_such_kernels", f"{fake_kernels}.no_targets",
+                                                        f"{fake_kernels}.bad"])
+    by_kernel = {r["kernel"]: r for r in rows}
+    assert "module not found" in by_kernel["kernels/no_such_kernels.py"]["error"]
+    assert "compile_targets" in by_kernel[f"{fake_kernels}.no_targets"]["error"]
+    oversized = by_kernel["oversized_fwd"]
+    assert not oversized["ok"] and oversized["spills"] > 0, oversized
+    fma = by_kernel["fp32_fwd"]
+    assert not fma["ok"] and fma["tensor_cores"] is False and "mma.sync" in fma["error"], fma
+    assert all(not r["ok"] for r in rows)
