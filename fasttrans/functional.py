@@ -74,7 +74,9 @@ def _last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
 def _selected_backend(op: str, device: str) -> str:
     # Selection reads a context variable, the environment and the file system: under
     # torch.compile it runs once at trace time and its result is baked into the graph.
-    return backends.select_backend(op, device).name
+    name = backends.select_backend(op, device).name
+    backends.ops_for(name)  # register now: registering a fake implementation inside a trace breaks the graph
+    return name
 
 
 def _ops(op: str, device: torch.device):
