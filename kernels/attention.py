@@ -240,6 +240,35 @@ def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
     return s
 
 
+@triton.jit
+def _masked_scores(
+    q, k,  # (BLOCK_M, BLOCK_D) query tile, (BLOCK_N, BLOCK_D) key tile
+    Mask_rows, start_n64, rows, offs_n, offs_m, cols,  # dense mask rows, key tile start, index vectors
+    row_ok, col_ok, causal_offset, qk_scale, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask forbids.
+
+    Shared by the forward and the dQ backward so both see exactly the same masked scores.
+    """
+    s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+    s = s * qk_scale
+    if MASK_KIND != 0:
+        mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
+            + offs_n[None, :] * stride_mask_n
+        if ELEMENT_MASKED:
+            s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+        else:
+            s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
+    if ELEMENT_MASKED:
+        allowed = col_ok[None, :]
+        if IS_CAUSAL:
+            allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -269,20 +298,9 @@ def _attention_fwd_inner(
         col_ok = cols < kv_len
         k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
-        s = s * qk_scale
-        if MASK_KIND != 0:
-            mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
-                + offs_n[None, :] * stride_mask_n
-            if ELEMENT_MASKED:
-                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
-            else:
-                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
-        if ELEMENT_MASKED:
-            allowed = col_ok[None, :]
-            if IS_CAUSAL:
-                allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(allowed, s, float("-inf"))
+        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
+                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
+                           ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -604,20 +622,9 @@ def _attention_bwd_dq_inner(
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
-        s = s * qk_scale
-        if MASK_KIND != 0:
-            mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
-                + offs_n[None, :] * stride_mask_n
-            if ELEMENT_MASKED:
-                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
-            else:
-                s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
-        if ELEMENT_MASKED:
-            allowed = col_ok[None, :]
-            if IS_CAUSAL:
-                allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(allowed, s, float("-inf"))
+        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
+                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
+                           ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
