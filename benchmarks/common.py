@@ -14,12 +14,10 @@ the same run is meaningful, and writes one CSV row per provider, whatever happen
 Timing
     CUDA: ``triton.testing.do_bench`` (events, L2 flushed between calls), once per provider
     and round, all per-call samples pooled.
-    CPU: blocks of back-to-back calls timed with ``time.perf_counter`` (the clock
-    ``torch.utils.benchmark.Timer`` uses on CPU), the block size chosen, like
-    ``Timer.blocked_autorange`` does, so one block lasts ``block_s``. Timer's own entry
-    points (``timeit``, ``blocked_autorange``) re-run a warm-up or a block-size search on
-    every call, which costs two to three extra calls per sample of a slow configuration once
-    the providers are interleaved; so the loop is written out here.
+    CPU: ``torch.utils.benchmark.Timer.timeit`` on blocks of back-to-back calls (Timer
+    disables the garbage collector, pins the thread count and warms up before each block),
+    the block size chosen, like ``Timer.blocked_autorange`` does, so one block lasts
+    ``block_s``; one sample per provider and round.
     Reported: the median of the samples and their 20% / 80% quantiles.
 
 Peak memory (bytes allocated above what was live before the call: inputs are excluded)
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.utils.benchmark
 
 import fasttrans
 from fasttrans import backends
@@ -293,17 +292,9 @@ class Timing:
 
 
 def _time_block(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call over ``calls`` back-to-back calls, garbage collector off (as timeit does)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    """Seconds per call over a block of ``calls`` back-to-back calls, timed by torch.utils.benchmark."""
+    timer = torch.utils.benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.timeit(calls).mean
 
 
 def _cpu_block_size(fn: Callable[[], Any], plan: TimingPlan) -> int:

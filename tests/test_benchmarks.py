@@ -74,7 +74,10 @@ def test_interleaved_timing_alternates_providers_and_keeps_failures_apart():
     out = common.measure_interleaved({"a": make("a"), "b": make("b"), "broken": broken}, "cpu", plan)
     assert isinstance(out["broken"], ValueError)
     assert len(out["a"].samples) == len(out["b"].samples) == 4
-    timed = calls[2:]  # after one warm-up call each (block_s=0 gives blocks of one call)
+    # block_s=0 gives blocks of one call, each preceded by Timer's two warm-up calls
+    blocks = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert all(len(set(b)) == 1 and len(b) == 3 for b in blocks), calls
+    timed = [b[0] for b in blocks][2:]  # after each provider's block-size probe
     assert sorted(timed[i] + timed[i + 1] for i in range(0, 8, 2)) == ["ab", "ab", "ba", "ba"]
 
 
