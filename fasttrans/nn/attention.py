@@ -289,50 +289,35 @@ class MultiheadAttention(Module):
 
     def _check_dims(self, query, key, value, key_padding_mask, attn_mask) -> bool:
         """torch's _mha_shape_check (AssertionError, as torch); returns whether the input is batched."""
-        if query.dim() == 3:
-            if key.dim() != 3 or value.dim() != 3:
+        if query.dim() not in (2, 3):
+            raise AssertionError(
+                f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
+            )
+        batched = query.dim() == 3
+        kind = "batched (3-D)" if batched else "unbatched (2-D)"
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise AssertionError(
+                f"For {kind} `query`, expected `key` and `value` to be {query.dim()}-D"
+                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+            )
+        if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
+            raise AssertionError(
+                f"For {kind} `query`, expected `key_padding_mask` to be `None` or {query.dim() - 1}-D"
+                f" but found {key_padding_mask.dim()}-D tensor instead"
+            )
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 3):
                 raise AssertionError(
-                    "For batched (3-D) `query`, expected `key` and `value` to be 3-D"
-                    f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
-                )
-            if key_padding_mask is not None and key_padding_mask.dim() != 2:
-                raise AssertionError(
-                    "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
-                    f" but found {key_padding_mask.dim()}-D tensor instead"
-                )
-            if attn_mask is not None and attn_mask.dim() not in (2, 3):
-                raise AssertionError(
-                    "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+                    f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
                     f" but found {attn_mask.dim()}-D tensor instead"
                 )
-            return True
-        if query.dim() == 2:
-            if key.dim() != 2 or value.dim() != 2:
+            expected = (self.num_heads, query.shape[0], key.shape[0])
+            if not batched and attn_mask.dim() == 3 and tuple(attn_mask.shape) != expected:
                 raise AssertionError(
-                    "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
-                    f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+                    f"Expected `attn_mask` shape to be {expected} (num_heads, L, S) "
+                    f"but got {tuple(attn_mask.shape)}"
                 )
-            if key_padding_mask is not None and key_padding_mask.dim() != 1:
-                raise AssertionError(
-                    "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
-                    f" but found {key_padding_mask.dim()}-D tensor instead"
-                )
-            if attn_mask is not None:
-                if attn_mask.dim() not in (2, 3):
-                    raise AssertionError(
-                        "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
-                        f" but found {attn_mask.dim()}-D tensor instead"
-                    )
-                expected = (self.num_heads, query.shape[0], key.shape[0])
-                if attn_mask.dim() == 3 and tuple(attn_mask.shape) != expected:
-                    raise AssertionError(
-                        f"Expected `attn_mask` shape to be {expected} (num_heads, L, S) "
-                        f"but got {tuple(attn_mask.shape)}"
-                    )
-            return False
-        raise AssertionError(
-            f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
-        )
+        return batched
 
     def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, need_weights) -> None:
         """The checks torch makes (or the errors torch's ops raise) on batched inputs, same types."""
