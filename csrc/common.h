@@ -135,13 +135,19 @@ inline T exp_sub_sum(T* x, int64_t n, T m) {
   return lane_sum(acc);
 }
 
+// dst[k] = src[k] * a, vectorised (dst may be src)
 template <typename T>
-inline void scale_row(T* x, int64_t n, T a) {
+inline void scale_into(const T* src, T* dst, int64_t n, T a) {
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> va(a);
   int64_t k = 0;
-  for (; k + W <= n; k += W) (Vec<T>::loadu(x + k) * va).store(x + k);
-  if (k < n) (Vec<T>::loadu(x + k, n - k) * va).store(x + k, n - k);
+  for (; k + W <= n; k += W) (Vec<T>::loadu(src + k) * va).store(dst + k);
+  if (k < n) (Vec<T>::loadu(src + k, n - k) * va).store(dst + k, n - k);
+}
+
+template <typename T>
+inline void scale_row(T* x, int64_t n, T a) {
+  scale_into(x, x, n, a);
 }
 
 template <typename T>
@@ -158,11 +164,7 @@ inline T dot(const T* x, const T* y, int64_t n) {
 template <typename src_t, typename T>
 inline void load_scaled(const src_t* src, T* dst, int64_t n, T a) {
   if constexpr (std::is_same_v<src_t, T>) {
-    constexpr int64_t W = Vec<T>::size();
-    const Vec<T> va(a);
-    int64_t k = 0;
-    for (; k + W <= n; k += W) (Vec<T>::loadu(src + k) * va).store(dst + k);
-    if (k < n) (Vec<T>::loadu(src + k, n - k) * va).store(dst + k, n - k);
+    scale_into(src, dst, n, a);
   } else {
     at::vec::convert(src, dst, n);
     if (a != T(1)) scale_row(dst, n, a);
@@ -173,11 +175,7 @@ inline void load_scaled(const src_t* src, T* dst, int64_t n, T a) {
 template <typename T, typename out_t>
 inline void store_scaled(const T* src, out_t* dst, int64_t n, T a) {
   if constexpr (std::is_same_v<out_t, T>) {
-    constexpr int64_t W = Vec<T>::size();
-    const Vec<T> va(a);
-    int64_t k = 0;
-    for (; k + W <= n; k += W) (Vec<T>::loadu(src + k) * va).store(dst + k);
-    if (k < n) (Vec<T>::loadu(src + k, n - k) * va).store(dst + k, n - k);
+    scale_into(src, dst, n, a);
   } else {
     for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<out_t>(src[k] * a);
   }
