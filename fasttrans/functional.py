@@ -136,7 +136,8 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         if key_lengths.device.type != "cpu":
             _check_device("key_lengths", key_lengths, q.device)
         if not _is_compiling():
-            lo, hi = int(key_lengths.min()), int(key_lengths.max())
+            # one host sync for both bounds (key_lengths may live on the GPU)
+            lo, hi = (int(t) for t in torch.stack(torch.aminmax(key_lengths)).tolist())
             if lo < 0 or hi > Lk:
                 raise ShapeError(f"key_lengths: expected values in [0, {Lk}] (the key length), got [{lo}, {hi}]")
     if not isinstance(is_causal, bool):
