@@ -127,6 +127,28 @@ __device__ __forceinline__ int64_t block_kv_end(const AttentionArgs& a, int64_t 
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
+// acc[r][:] += sum_jj coef[r] (held by lane jj) * tile[jj][:] for this warp's kPerWarp rows:
+// the (rows x keys) @ (keys x D) product of the forward (P V) and of dQ (dS K), with the
+// coefficients broadcast from the lane that holds them, one key at a time.
+template <int DPL>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kPerWarp][DPL], const float (&coef)[kPerWarp],
+                                                const float* tile, int ld, int lane, int D) {
+  for (int jj = 0; jj < kTile; ++jj) {
+    float cj[kPerWarp];
+#pragma unroll
+    for (int r = 0; r < kPerWarp; ++r) cj[r] = __shfl_sync(kFullMask, coef[r], jj);
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) {
+      const int c = lane + 32 * t;
+      if (c < D) {
+        const float x = tile[jj * ld + c];
+#pragma unroll
+        for (int r = 0; r < kPerWarp; ++r) acc[r][t] = fmaf(cj[r], x, acc[r][t]);
+      }
+    }
+  }
+}
+
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(const AttentionArgs a,
                                                                               void* __restrict__ out,
@@ -189,20 +211,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
       for (int t = 0; t < DPL; ++t) acc[r][t] *= alpha;
     }
 
-    for (int jj = 0; jj < kTile; ++jj) {  // O += P V, P broadcast one key at a time
-      float pj[kPerWarp];
-#pragma unroll
-      for (int r = 0; r < kPerWarp; ++r) pj[r] = __shfl_sync(kFullMask, p[r], jj);
-#pragma unroll
-      for (int t = 0; t < DPL; ++t) {
-        const int c = lane + 32 * t;
-        if (c < D) {
-          const float vc = v_s[jj * ld + c];
-#pragma unroll
-          for (int r = 0; r < kPerWarp; ++r) acc[r][t] = fmaf(pj[r], vc, acc[r][t]);
-        }
-      }
-    }
+    accumulate_rows<DPL>(acc, p, v_s, ld, lane, D);  // O += P V
   }
 
 #pragma unroll
@@ -303,20 +312,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
       ds[r] *= a.scale;
     }
 
-    for (int jj = 0; jj < kTile; ++jj) {  // dQ += dS K
-      float dsj[kPerWarp];
-#pragma unroll
-      for (int r = 0; r < kPerWarp; ++r) dsj[r] = __shfl_sync(kFullMask, ds[r], jj);
-#pragma unroll
-      for (int t = 0; t < DPL; ++t) {
-        const int c = lane + 32 * t;
-        if (c < D) {
-          const float kc = k_s[jj * ld + c];
-#pragma unroll
-          for (int r = 0; r < kPerWarp; ++r) acc[r][t] = fmaf(dsj[r], kc, acc[r][t]);
-        }
-      }
-    }
+    accumulate_rows<DPL>(acc, ds, k_s, ld, lane, D);  // dQ += dS K
   }
 
 #pragma unroll
