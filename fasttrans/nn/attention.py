@@ -392,14 +392,15 @@ class MultiheadAttention(Module):
                     F.linear(value, self.v_proj_weight, b_v))
         w = self.in_proj_weight
         if kv_same:
-            if qkv_same:  # self-attention: one (.., 3E) projection, sliced (views)
-                proj = F.linear(query, w, b)
-                return proj[..., :E], proj[..., E:2 * E], proj[..., 2 * E:]
+            # Views of one projection, taken with unbind: its backward stacks the three
+            # gradients in one pass, where slicing would zero-fill a full-size tensor per slice.
+            if qkv_same:  # self-attention: one (.., 3E) projection
+                return F.linear(query, w, b).unflatten(-1, (3, E)).unbind(-2)
             # encoder-decoder attention: keys and values share one (.., 2E) projection
             w_q, w_kv = w.split([E, 2 * E])
             b_q, b_kv = b.split([E, 2 * E]) if b is not None else (None, None)
-            kv = F.linear(key, w_kv, b_kv)
-            return F.linear(query, w_q, b_q), kv[..., :E], kv[..., E:]
+            k, v = F.linear(key, w_kv, b_kv).unflatten(-1, (2, E)).unbind(-2)
+            return F.linear(query, w_q, b_q), k, v
         w_q, w_k, w_v = w.chunk(3)
         b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)
         return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
