@@ -28,7 +28,9 @@ namespace fasttrans {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(                                                        \
       const at::Tensor& dy, const std::optional<at::Tensor>& dh, const at::Tensor& h,                            \
       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,    \
-      const at::Tensor& rstd, bool rms);
+      const at::Tensor& rstd, bool rms);                                                                     \
+  std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x, double p, int64_t seed);                   \
+  at::Tensor dropout_bwd(const at::Tensor& dy, const at::Tensor& keep, double p);
 
 namespace cpu {
 FASTTRANS_DECLARE_OPS

@@ -1,4 +1,4 @@
-// Counter-based random numbers for attention dropout, shared by the CPU and CUDA kernels.
+// Counter-based random numbers for dropout, shared by the CPU and CUDA kernels.
 //
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011):
 // a keyed bijection of a 128-bit counter. Dropout needs no generator state at all: the
@@ -10,6 +10,10 @@
 //   counter = (j div 4, i, h, b)             one call gives the words for keys 4g .. 4g+3
 //   word    = philox(counter, key)[j mod 4]
 //   keep    = (word >> 8) >= threshold      threshold = round(p * 2^24)
+//
+// Elementwise dropout (fasttrans::dropout_fwd) numbers the elements of a contiguous tensor
+// 0, 1, 2, ... and uses the counter (g mod 2^32, g div 2^32, 0, kFlatDomain) for elements
+// 4g .. 4g+3: the constant last word keeps its counters apart from attention's.
 //
 // The top 24 bits of the word are compared as integers, so the CPU and CUDA builds agree
 // bit for bit (no float rounding is involved). P(keep) = 1 - threshold / 2^24.
@@ -63,6 +67,15 @@ inline uint32_t dropout_threshold(double p) {
 FT_HOST_DEVICE Philox4 dropout_words(uint64_t seed, int64_t b, int64_t h, int64_t i, int64_t g) {
   return philox4x32_10(static_cast<uint32_t>(g), static_cast<uint32_t>(i), static_cast<uint32_t>(h),
                        static_cast<uint32_t>(b), static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// Last counter word of elementwise dropout ("DROP"); attention's is the batch index.
+constexpr uint32_t kFlatDomain = 0x44524F50u;
+
+// The four Philox words for elements 4g .. 4g+3 of an elementwise dropout.
+FT_HOST_DEVICE Philox4 flat_dropout_words(uint64_t seed, uint64_t g) {
+  return philox4x32_10(static_cast<uint32_t>(g), static_cast<uint32_t>(g >> 32), 0u, kFlatDomain,
+                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
 FT_HOST_DEVICE bool dropout_keep_word(uint32_t word, uint32_t threshold) {

@@ -22,6 +22,8 @@ TORCH_LIBRARY(fasttrans, m) {
   m.def(
       "norm_bwd_extension(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "
       "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
+  m.def("dropout_fwd_extension(Tensor x, float p, SymInt seed) -> (Tensor, Tensor)");
+  m.def("dropout_bwd_extension(Tensor dy, Tensor keep, float p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
@@ -30,4 +32,6 @@ TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
   m.impl("attention_dropout_mask_extension", &fasttrans::cpu::attention_dropout_mask);
   m.impl("norm_fwd_extension", &fasttrans::cpu::norm_fwd);
   m.impl("norm_bwd_extension", &fasttrans::cpu::norm_bwd);
+  m.impl("dropout_fwd_extension", &fasttrans::cpu::dropout_fwd);
+  m.impl("dropout_bwd_extension", &fasttrans::cpu::dropout_bwd);
 }

@@ -6,6 +6,7 @@ Each backend's ops are registered under the ``fasttrans::`` namespace as
 
     fasttrans::attention_fwd_<backend>   fasttrans::attention_bwd_<backend>
     fasttrans::norm_fwd_<backend>        fasttrans::norm_bwd_<backend>
+    fasttrans::dropout_fwd_<backend>     fasttrans::dropout_bwd_<backend>
 
 with a fake (meta) implementation and autograd, so ``torch.compile(fullgraph=True)`` traces
 through them and ``torch.library.opcheck`` can test them. Python backends are defined here
@@ -38,6 +39,14 @@ norm_fwd(x, residual, weight, bias, eps, rms) -> (y, h or None, mean or None, rs
 norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms) -> (dx, dweight or None, dbias or None)
     h is x + residual (or x); dy, dh contiguous; dh None or the gradient flowing into h,
     added to dx. dx is also the gradient w.r.t. residual.
+dropout_fwd(x, p, seed) -> (y, keep)
+    x contiguous, any shape; 0 < p < 1. keep: bool, x's shape; keep[i] is a pure function of
+    (seed, flat index i) with P(keep) = 1 - p (each backend has its own generator: the CPU
+    and CUDA extension share one, bit for bit). y = x * keep * scale with scale = 1 / (1 - p)
+    as an fp32 number (fp64 for fp64 x), the product in fp32 (fp64), rounded once to x.dtype.
+dropout_bwd(dy, keep, p) -> dx
+    dy contiguous; dx = dy * keep * scale with the same rounding (keep is saved by forward,
+    so backward draws no random numbers).
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ __all__ = [
 ]
 
 BACKEND_NAMES = ("triton", "extension", "reference")
-OPS = ("attention", "norm")
+OPS = ("attention", "norm", "dropout")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -168,6 +177,22 @@ class _ReferenceImpl:
         db = dyf.sum(0).to(bias.dtype) if bias is not None else None
         return dx.to(h.dtype), dw, db
 
+    @staticmethod
+    def _dropout_scale(x, p):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return acc, torch.tensor(1.0 / (1.0 - p), dtype=acc).item()  # 1/(1-p) rounded to acc
+
+    @classmethod
+    def dropout_fwd(cls, x, p, seed):
+        g = torch.Generator(device=x.device).manual_seed(int(seed))
+        keep = torch.rand(x.shape, generator=g, device=x.device) >= p
+        return cls.dropout_bwd(x, keep, p), keep
+
+    @classmethod
+    def dropout_bwd(cls, dy, keep, p):
+        acc, scale = cls._dropout_scale(dy, p)
+        return torch.where(keep, dy.to(acc) * scale, 0.0).to(dy.dtype)
+
 
 # --------------------------------------------------------------------------------------
 # Backends
@@ -247,6 +272,7 @@ class _TritonImpl:
         for module, names in (
             ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask")),
             ("layernorm", ("norm_fwd", "norm_bwd")),
+            ("dropout", ("dropout_fwd", "dropout_bwd")),
         ):
             try:
                 mod = importlib.import_module(f"fasttrans.kernels.{module}")
@@ -256,7 +282,7 @@ class _TritonImpl:
                 self.errors[module] = f"{type(e).__name__}: {e}"
 
     def unavailable_reason(self, device: torch.device, op: str | None) -> str | None:
-        module = {"attention": "attention", "norm": "layernorm"}
+        module = {"attention": "attention", "norm": "layernorm", "dropout": "dropout"}
         for name in (op,) if op else OPS:
             if module[name] in self.errors:
                 return f"kernels/{module[name]}.py failed to import: {self.errors[module[name]]}"
@@ -419,6 +445,15 @@ def _make_python_ops(name: str):
         dx, dw, db = backend.impl().norm_bwd(dy, dh, h, weight, bias, _empty_to_none(mean), rstd, rms)
         return dx, _none_to_empty(dw, h), _none_to_empty(db, h)
 
+    @custom_op(f"fasttrans::dropout_fwd_{name}", mutates_args=())
+    def dropout_fwd(x: torch.Tensor, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y, keep = backend.impl().dropout_fwd(x, p, seed)
+        return y, keep
+
+    @custom_op(f"fasttrans::dropout_bwd_{name}", mutates_args=())
+    def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+        return backend.impl().dropout_bwd(dy, keep, p)
+
 
 def _register_fake_and_autograd(name: str) -> None:
     """Fake implementations and autograd formulas for one backend's four ops."""
@@ -454,6 +489,15 @@ def _register_fake_and_autograd(name: str) -> None:
         return (torch.empty_like(h, memory_format=torch.contiguous_format),
                 torch.empty_like(weight) if weight is not None else h.new_empty(0),
                 torch.empty_like(bias) if bias is not None else h.new_empty(0))
+
+    @register_fake(f"fasttrans::dropout_fwd_{name}")
+    def _(x, p, seed):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format))
+
+    @register_fake(f"fasttrans::dropout_bwd_{name}")
+    def _(dy, keep, p):
+        return torch.empty_like(dy, memory_format=torch.contiguous_format)
 
     attention_bwd_op = getattr(ns, f"attention_bwd_{name}")
     norm_bwd_op = getattr(ns, f"norm_bwd_{name}")
@@ -499,6 +543,18 @@ def _register_fake_and_autograd(name: str) -> None:
 
     register_autograd(f"fasttrans::norm_fwd_{name}", norm_backward, setup_context=norm_setup)
 
+    dropout_bwd_op = getattr(ns, f"dropout_bwd_{name}")
+
+    def dropout_setup(ctx, inputs, output):
+        ctx.p = inputs[1]
+        ctx.save_for_backward(output[1])
+
+    def dropout_backward(ctx, dy, dkeep):
+        (keep,) = ctx.saved_tensors
+        return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
+
+    register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
+
 
 _registered: set[str] = set()
 
@@ -519,3 +575,10 @@ def ops_for(name: str):
     ns = torch.ops.fasttrans
     return (getattr(ns, f"attention_fwd_{name}"), getattr(ns, f"attention_bwd_{name}"),
             getattr(ns, f"norm_fwd_{name}"), getattr(ns, f"norm_bwd_{name}"))
+
+
+def dropout_ops_for(name: str):
+    """The torch.ops handles (dropout_fwd, dropout_bwd) of a backend, registered on first use."""
+    ops_for(name)
+    ns = torch.ops.fasttrans
+    return getattr(ns, f"dropout_fwd_{name}"), getattr(ns, f"dropout_bwd_{name}")

@@ -47,7 +47,7 @@ from . import __version__
 __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
 
 _NAME = "fasttrans_ext"
-_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp")
+_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp")
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -55,6 +55,8 @@ _OPS = (
     "attention_dropout_mask_extension",
     "norm_fwd_extension",
     "norm_bwd_extension",
+    "dropout_fwd_extension",
+    "dropout_bwd_extension",
 )
 
 
@@ -402,3 +404,9 @@ class _ExtensionImpl:
             mean = rstd.new_empty(0)
         dx, dw, db = self._ops.norm_bwd_extension(dy, dh, h, weight, bias, mean, rstd, bool(rms))
         return dx, (dw if weight is not None else None), (db if bias is not None else None)
+
+    def dropout_fwd(self, x, p, seed):
+        return self._ops.dropout_fwd_extension(x, float(p), int(seed))
+
+    def dropout_bwd(self, dy, keep, p):
+        return self._ops.dropout_bwd_extension(dy, keep, float(p))

@@ -22,6 +22,8 @@ __all__ = [
     "layer_norm",
     "add_layer_norm",
     "rms_norm",
+    "dropout",
+    "dropout_mask",
     "ShapeError",
     "DTypeError",
     "DeviceError",
@@ -352,3 +354,54 @@ def rms_norm(
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]
+
+
+# --------------------------------------------------------------------------------------
+# dropout
+# --------------------------------------------------------------------------------------
+def _validate_dropout(x, p) -> float:
+    _check_tensor("input", x)
+    _check_float("input", x)
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p: expected a float dropout probability, got {type(p).__name__}")
+    if not 0.0 <= p <= 1.0:  # torch's wording and type (ValueError) for the same mistake
+        raise ShapeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    return float(p)
+
+
+def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Same as ``torch.nn.functional.dropout``, in one fused pass of a fasttrans kernel.
+
+    Elements are zeroed with probability ``p`` and the rest scaled by 1 / (1 - p). The keep
+    decisions come from a counter-based generator keyed by a seed drawn from torch's default
+    generator, so ``torch.manual_seed`` makes a run repeatable (the masks differ from
+    torch's own). Forward saves a one-byte keep mask; backward draws no random numbers.
+    ``p == 0`` or ``training=False`` return the input; ``p == 1`` zeroes it.
+    """
+    p = _validate_dropout(input, p)
+    if not training or p == 0.0:
+        return input
+    if p == 1.0 or input.numel() == 0:
+        out = input * 0.0
+    else:
+        name = _selected_backend("dropout", str(input.device))
+        fwd, _ = backends.dropout_ops_for(name)
+        out, _keep = fwd(input.contiguous(), p, _draw_seed(p))
+    if inplace:
+        return input.copy_(out)
+    return out
+
+
+def dropout_mask(input: torch.Tensor, p: float, backend: str | None = None) -> torch.Tensor:
+    """The bool keep-mask :func:`dropout` applies to ``input`` (debug hook for tests).
+
+    Draws the seed exactly as :func:`dropout` does: ``torch.manual_seed(s)`` before each of
+    ``dropout_mask(x, p)`` and ``dropout(x, p)`` gives the mask and the output that used it.
+    """
+    p = _validate_dropout(input, p)
+    if not 0.0 < p < 1.0:
+        raise ShapeError(f"p: expected a dropout probability in (0, 1) for a keep-mask, got {p}")
+    name = backend or _selected_backend("dropout", str(input.device))
+    fwd, _ = backends.dropout_ops_for(name)
+    with torch.no_grad():
+        return fwd(input.contiguous(), p, _draw_seed(p))[1]

@@ -1,6 +1,7 @@
 """Drop-in replacements for torch.nn's Transformer modules, plus the seed building blocks."""
 
 from .attention import MultiheadAttention
+from .dropout import Dropout
 from .normalization import LayerNorm, RMSNorm
 from .transformer import (
     Transformer,
@@ -13,6 +14,7 @@ from .embedding import PositionalEncoding, TokenEmbedding
 
 __all__ = [
     "MultiheadAttention",
+    "Dropout",
     "LayerNorm",
     "RMSNorm",
     "TransformerEncoderLayer",

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from .dropout import Dropout
+
 __all__ = ["TokenEmbedding", "PositionalEncoding", "sinusoidal_table"]
 
 _VARIANTS = ("paper", "double_exponent", "cos_sin")
@@ -126,7 +128,7 @@ class PositionalEncoding(nn.Module):
         self.d_model = d_model
         self.max_len = max_len
         self.variant = variant
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.register_buffer("pe", sinusoidal_table(max_len, d_model, variant), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:

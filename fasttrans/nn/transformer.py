@@ -31,12 +31,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Dropout, Linear, Module, ModuleList
+from torch.nn import Linear, Module, ModuleList
 from torch.nn.init import xavier_uniform_
 
 from .. import functional as FT
 from . import _masks
 from .attention import MultiheadAttention
+from .dropout import Dropout
 from .normalization import LayerNorm, check_layer_norm_dtypes
 
 __all__ = [

@@ -1,0 +1,194 @@
+// Elementwise dropout on the CPU, forward and backward.
+//
+//     keep[i] = dropout_keep_word(flat_dropout_words(seed, i / 4).w[i % 4], threshold)   (philox.h)
+//     y[i]    = keep[i] ? x[i] * scale : 0          scale = 1 / (1 - p), product in fp32 (fp64)
+//     dx[i]   = keep[i] ? dy[i] * scale : 0         from the saved keep bytes: no second RNG pass
+//
+// The elements of the contiguous tensor are processed in blocks of 64: one block is 16
+// Philox counters (four words each), which AVX-512 evaluates in the 16 lanes of a register,
+// so the random numbers cost a handful of vector instructions per element instead of the
+// ~25 scalar ones of a counter-at-a-time loop. The block's keep decisions become one 64-bit
+// mask that drives masked multiplies and the keep-byte store. The mask depends only on
+// (seed, element index): the same bits on any thread count, and the same bits as the CUDA
+// kernel (dropout_cuda.cu), which evaluates the same counters.
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+#include "ops.h"
+
+namespace fasttrans::cpu {
+namespace {
+
+constexpr int64_t kBlock = 64;           // elements per block: 16 counters x 4 words
+constexpr int64_t kGrainBlocks = 1024;   // blocks per parallel task (64K elements)
+
+// Bit e of the result is keep(64 * blk + e), for one block of 64 elements.
+uint64_t keep_bits_scalar(uint64_t seed, uint32_t threshold, uint64_t blk) {
+  uint64_t bits = 0;
+  for (int l = 0; l < 16; ++l) {
+    const Philox4 r = flat_dropout_words(seed, blk * 16 + l);
+    for (int j = 0; j < 4; ++j) {
+      bits |= static_cast<uint64_t>(dropout_keep_word(r.w[j], threshold)) << (4 * l + j);
+    }
+  }
+  return bits;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 32 x 32 -> 64-bit products of the 16 lanes of a with k: the high words (returned) and the
+// low words (*lo). vpmuludq multiplies the even lanes; the odd lanes are shifted down first.
+inline __m512i mulhilo(__m512i a, __m512i k, __m512i* lo) {
+  const __m512i even = _mm512_mul_epu32(a, k);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), k);
+  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+
+// keep_bits_scalar for 16 counters at once (lane l evaluates counter 16 * blk + l).
+// The counters' high word must be the same for all 16 lanes (the caller checks).
+uint64_t keep_bits_avx512(uint64_t seed, uint32_t threshold, uint64_t blk) {
+  const uint64_t g0 = blk * 16;
+  __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0))),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i c1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0 >> 32)));
+  __m512i c2 = _mm512_setzero_si512();
+  __m512i c3 = _mm512_set1_epi32(static_cast<int>(kFlatDomain));
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    __m512i lo0, lo1;
+    const __m512i hi0 = mulhilo(c0, m0, &lo0);
+    const __m512i hi1 = mulhilo(c2, m1, &lo1);
+    c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
+    c1 = lo1;
+    c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  // word j of lane l decides element 4l + j: spread each 16-bit mask over every 4th bit
+  const __m512i thr = _mm512_set1_epi32(static_cast<int>(threshold));
+  const uint64_t w0 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c0, 8), thr);
+  const uint64_t w1 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c1, 8), thr);
+  const uint64_t w2 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c2, 8), thr);
+  const uint64_t w3 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c3, 8), thr);
+  constexpr uint64_t kEvery4th = 0x1111111111111111ull;
+  return _pdep_u64(w0, kEvery4th) | _pdep_u64(w1, kEvery4th << 1) | _pdep_u64(w2, kEvery4th << 2) |
+         _pdep_u64(w3, kEvery4th << 3);
+}
+#endif
+
+inline uint64_t keep_bits(uint64_t seed, uint32_t threshold, uint64_t blk) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // the 16 counters share their high word unless the block straddles a multiple of 2^32
+  if (((blk * 16) >> 32) == ((blk * 16 + 15) >> 32)) return keep_bits_avx512(seed, threshold, blk);
+#endif
+  return keep_bits_scalar(seed, threshold, blk);
+}
+
+// out[e] = keep bit e ? in[e] * scale : 0 for the n <= 64 elements of one block, and the keep
+// bytes when keep_out is given.
+template <typename scalar_t>
+inline void apply_block(const scalar_t* in, scalar_t* out, bool* keep_out, uint64_t bits, int64_t n,
+                        acc_t<scalar_t> scale) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n == kBlock) {
+    if (keep_out != nullptr) _mm512_storeu_si512(keep_out, _mm512_maskz_set1_epi8(bits, 1));
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      const __m512 s = _mm512_set1_ps(scale);
+      for (int q = 0; q < 4; ++q) {
+        const __mmask16 m = static_cast<__mmask16>(bits >> (16 * q));
+        _mm512_storeu_ps(out + 16 * q, _mm512_maskz_mul_ps(m, _mm512_loadu_ps(in + 16 * q), s));
+      }
+      return;
+    }
+    keep_out = nullptr;  // written above
+  }
+#endif
+  using T = acc_t<scalar_t>;
+  for (int64_t e = 0; e < n; ++e) {
+    const bool kept = (bits >> e) & 1u;
+    if (keep_out != nullptr) keep_out[e] = kept;
+    out[e] = static_cast<scalar_t>(kept ? static_cast<T>(in[e]) * scale : T(0));
+  }
+}
+
+// The bits of a block from its keep bytes (backward).
+inline uint64_t bits_from_bytes(const bool* keep, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n == kBlock) return _mm512_test_epi8_mask(_mm512_loadu_si512(keep), _mm512_set1_epi8(1));
+#endif
+  uint64_t bits = 0;
+  for (int64_t e = 0; e < n; ++e) bits |= static_cast<uint64_t>(keep[e]) << e;
+  return bits;
+}
+
+void check_probability(double p) {
+  TORCH_CHECK(p > 0.0 && p < 1.0, "p: expected a dropout probability in (0, 1), got ", p);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p, int64_t seed) {
+  check_probability(p);
+  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()), "x: expected a floating-point dtype, got ",
+              x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  const int64_t numel = x.numel();
+  if (numel == 0) return {y, keep};
+  const uint32_t threshold = dropout_threshold(p);
+  const uint64_t useed = static_cast<uint64_t>(seed);
+  const int64_t n_blocks = (numel + kBlock - 1) / kBlock;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dropout_fwd_extension", [&] {
+    using T = acc_t<scalar_t>;
+    const T scale = static_cast<T>(1.0 / (1.0 - p));
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* out = y.data_ptr<scalar_t>();
+    bool* kp = keep.data_ptr<bool>();
+    at::parallel_for(0, n_blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t e0 = blk * kBlock, n = std::min(kBlock, numel - e0);
+        const uint64_t bits = keep_bits(useed, threshold, static_cast<uint64_t>(blk));
+        apply_block(in + e0, out + e0, kp + e0, bits, n, scale);
+      }
+    });
+  });
+  return {y, keep};
+}
+
+at::Tensor dropout_bwd(const at::Tensor& dy_in, const at::Tensor& keep_in, double p) {
+  check_probability(p);
+  TORCH_CHECK(keep_in.scalar_type() == at::kBool, "keep: expected a bool tensor, got ", keep_in.scalar_type());
+  TORCH_CHECK(keep_in.sizes() == dy_in.sizes(), "keep: expected the shape of dy ", dy_in.sizes(), ", got ",
+              keep_in.sizes());
+  const at::Tensor dy = dy_in.contiguous();
+  const at::Tensor keep = keep_in.contiguous();
+  at::Tensor dx = at::empty(dy.sizes(), dy.options());
+  const int64_t numel = dy.numel();
+  if (numel == 0) return dx;
+  const int64_t n_blocks = (numel + kBlock - 1) / kBlock;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "dropout_bwd_extension", [&] {
+    using T = acc_t<scalar_t>;
+    const T scale = static_cast<T>(1.0 / (1.0 - p));
+    const scalar_t* in = dy.data_ptr<scalar_t>();
+    scalar_t* out = dx.data_ptr<scalar_t>();
+    const bool* kp = keep.data_ptr<bool>();
+    at::parallel_for(0, n_blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t e0 = blk * kBlock, n = std::min(kBlock, numel - e0);
+        apply_block<scalar_t>(in + e0, out + e0, nullptr, bits_from_bytes(kp + e0, n), n, scale);
+      }
+    });
+  });
+  return dx;
+}
+
+}  // namespace fasttrans::cpu
