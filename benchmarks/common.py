@@ -20,6 +20,16 @@ Timing
     ``block_s``; one sample per provider and round.
     Reported: the median of the samples and their 20% / 80% quantiles.
 
+CPU allocator (``--malloc``, default ``steady``)
+    torch's CPU tensors come from glibc's malloc, which returns the top of its heap to the
+    system whenever more than a moving threshold is free and maps big blocks afresh: a
+    16 MiB output is then page-faulted again on the next call (~4000 faults, ~5 ms, more
+    than the op itself). Whether that happens depends on byte-level details of what else
+    is allocated, so the same op can time at 1 ms in one process and 10 ms in the next, for
+    torch and fasttrans alike. ``steady`` (``mallopt``: no trimming, no mmap-ed blocks) keeps
+    freed memory in the heap for the next call, for every provider of the run, which is
+    what a long-running training process reaches anyway; ``default`` leaves glibc as it is.
+
 Peak memory (bytes allocated above what was live before the call: inputs are excluded)
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
     CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free
@@ -90,6 +100,8 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                    help="print the configurations and providers that would run, run nothing, write nothing")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, one per core)")
+    p.add_argument("--malloc", choices=("steady", "default"), default="steady",
+                   help="CPU allocator setting for the whole run (see the module docstring; default: steady)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where <device>.csv is appended to and the PNGs are written (default: benchmarks/results)")
     return p
@@ -126,9 +138,31 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
             parser.error(f"--threads: expected a positive number, got {args.threads}")
         torch.set_num_threads(args.threads)
     args.dtype = getattr(torch, args.dtype or ("float16" if args.device == "cuda" else "float32"))
+    if args.device == "cpu" and args.malloc == "steady":
+        steady_allocator()
     args.provider = split_values(args.provider, option="--provider")
     args.sweep = split_values(args.sweep, option="--sweep")
     return args
+
+
+def steady_allocator() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (see "CPU allocator" above).
+
+    Returns whether the setting took effect (False on a C library without ``mallopt``).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    return bool(mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(M_MMAP_MAX, 0))
 
 
 # --------------------------------------------------------------------------------------

@@ -285,3 +285,32 @@ def test_quick_run_writes_sane_rows_and_plots(quick_results, benchmark):
     for png in pngs:
         assert png.name.endswith("_quick.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_steady_allocator_reuses_freed_blocks_instead_of_faulting_them_in_again():
+    # Two 16 MiB results freed together exceed glibc's default trim threshold: the heap is
+    # given back and every call faults 8192 pages in again. With steady_allocator() the
+    # second and later calls reuse the freed blocks.
+    script = (
+        "import resource, sys, torch\n"
+        "sys.path.insert(0, %r)\n"
+        "from benchmarks import common\n"
+        "if sys.argv[1] == 'steady':\n"
+        "    assert common.steady_allocator()\n"
+        "x = torch.randn(4096, 1024)\n"
+        "def call():\n"
+        "    a, b = x + 1, x + 2\n"
+        "    return a, b\n"
+        "for _ in range(3):\n"
+        "    call()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(20):\n"
+        "    call()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)\n"
+    ) % str(REPO)
+    def faults(mode):
+        run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+        return float(run.stdout)
+
+    assert faults("steady") < 50
