@@ -48,7 +48,7 @@ import time
 __all__ = ["main", "KERNEL_MODULES", "ARCHS"]
 
 # the kernels modules that must expose compile_targets(); others found in the package are added
-KERNEL_MODULES = ("attention", "layernorm")
+KERNEL_MODULES = ("attention", "layernorm", "dropout")
 ARCHS = {"sm_80": 80, "sm_90": 90}
 # largest dynamic shared memory a block may use (CUDA C Programming Guide, compute capabilities)
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
