@@ -1,6 +1,7 @@
 // The torch side of the CUDA kernels: argument checks, output allocation, the current
 // stream, and TORCH_LIBRARY_IMPL(fasttrans, CUDA). Compiled only when torch has CUDA (the
-// kernels themselves are in the torch-free attention_cuda.cu / layernorm_cuda.cu).
+// kernels themselves are in the torch-free attention_cuda.cu / layernorm_cuda.cu /
+// dropout_cuda.cu).
 //
 // Only the light c10/cuda headers are used (no ATen/cuda/CUDAContext.h, which pulls in
 // cuBLAS and cuSPARSE headers that some CUDA installations lack).
@@ -291,6 +292,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy, co
   return {dx, dw, db};
 }
 
+// Elementwise dropout: fasttrans.functional passes 0 < p < 1 (it handles p == 0 and p == 1).
+std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p, int64_t seed) {
+  TORCH_CHECK(p > 0.0 && p < 1.0, "p: expected a dropout probability in (0, 1), got ", p);
+  TORCH_CHECK(seed >= 0, "seed: expected a non-negative seed, got ", seed);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const kern::DType dtype = dtype_of(x_in, "x");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  // scale: 1 / (1 - p) in double, rounded once to fp32 (the contract's rounding)
+  check_launch(kern::dropout_fwd_cuda(x.numel(), dtype, x.data_ptr(), y.data_ptr(), keep.data_ptr<bool>(),
+                                      static_cast<uint64_t>(seed), dropout_threshold(p),
+                                      static_cast<float>(1.0 / (1.0 - p)), c10::cuda::getCurrentCUDAStream().stream()),
+               "dropout_fwd_extension");
+  return {y, keep};
+}
+
+at::Tensor dropout_bwd(const at::Tensor& dy, const at::Tensor& keep, double p) {
+  TORCH_CHECK(p > 0.0 && p < 1.0, "p: expected a dropout probability in (0, 1), got ", p);
+  TORCH_CHECK(keep.sizes() == dy.sizes(), "keep: expected the shape of dy ", dy.sizes(), ", got ", keep.sizes());
+  TORCH_CHECK(keep.scalar_type() == at::kBool, "keep: expected a bool mask, got ", keep.scalar_type());
+  check_cuda(keep, dy, "keep");
+  const c10::cuda::CUDAGuard guard(dy.device());
+  const kern::DType dtype = dtype_of(dy, "dy");
+  // gradients often arrive expanded (stride 0): the kernel reads contiguous memory
+  const at::Tensor dy_c = dy.contiguous();
+  const at::Tensor keep_c = keep.contiguous();
+  at::Tensor dx = at::empty(dy_c.sizes(), dy_c.options());
+  check_launch(kern::dropout_bwd_cuda(dy_c.numel(), dtype, dy_c.data_ptr(), keep_c.data_ptr<bool>(), dx.data_ptr(),
+                                      static_cast<float>(1.0 / (1.0 - p)), c10::cuda::getCurrentCUDAStream().stream()),
+               "dropout_bwd_extension");
+  return dx;
+}
+
 }  // namespace fasttrans::cuda
 
 TORCH_LIBRARY_IMPL(fasttrans, CUDA, m) {
@@ -299,4 +334,6 @@ TORCH_LIBRARY_IMPL(fasttrans, CUDA, m) {
   m.impl("attention_dropout_mask_extension", &fasttrans::cuda::attention_dropout_mask);
   m.impl("norm_fwd_extension", &fasttrans::cuda::norm_fwd);
   m.impl("norm_bwd_extension", &fasttrans::cuda::norm_bwd);
+  m.impl("dropout_fwd_extension", &fasttrans::cuda::dropout_fwd);
+  m.impl("dropout_bwd_extension", &fasttrans::cuda::dropout_bwd);
 }

@@ -1,4 +1,4 @@
-// Launchers of the CUDA kernels (attention_cuda.cu, layernorm_cuda.cu): raw pointers,
+// Launchers of the CUDA kernels (attention_cuda.cu, layernorm_cuda.cu, dropout_cuda.cu): raw pointers,
 // sizes, strides and a stream. No torch and no CUDA headers here, so the .cu files compile
 // with plain nvcc on any machine and cuda_binding.cpp (the torch side) can include this too.
 //
@@ -78,5 +78,15 @@ int64_t norm_bwd_chunks(int64_t M);
 const char* norm_bwd_cuda(int64_t M, int64_t N, DType dtype, const void* dy, const void* dh, const void* h,
                           int64_t ldh, const float* weight, const float* mean, const float* rstd, bool rms, void* dx,
                           float* dw_part, float* db_part, float* dw, float* db, cudaStream_t stream);
+
+// Elementwise dropout over numel contiguous elements (the mask of csrc/philox.h's
+// flat_dropout_words, equal to the CPU kernel's bit for bit). x, y in dtype; keep bool;
+// threshold = dropout_threshold(p); scale = fp32(1 / (1 - p)). y = x * (keep ? scale : 0) in fp32.
+const char* dropout_fwd_cuda(int64_t numel, DType dtype, const void* x, void* y, bool* keep, uint64_t seed,
+                             uint32_t threshold, float scale, cudaStream_t stream);
+
+// dx = dy * (keep ? scale : 0) in fp32, rounded to dtype; dy, dx in dtype, keep bool, all contiguous.
+const char* dropout_bwd_cuda(int64_t numel, DType dtype, const void* dy, const bool* keep, void* dx, float scale,
+                             cudaStream_t stream);
 
 }  // namespace fasttrans::cuda_kernels

@@ -48,7 +48,7 @@ __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_roo
 
 _NAME = "fasttrans_ext"
 _CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp")
-_CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu")
+_CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
     "attention_bwd_extension",
