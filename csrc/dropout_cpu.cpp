@@ -1,8 +1,9 @@
 // Elementwise dropout on the CPU, forward and backward.
 //
 //     keep[i] = dropout_keep_word(flat_dropout_words(seed, i / 4).w[i % 4], threshold)   (philox.h)
-//     y[i]    = keep[i] ? x[i] * scale : 0          scale = 1 / (1 - p), product in fp32 (fp64)
-//     dx[i]   = keep[i] ? dy[i] * scale : 0         from the saved keep bytes: no second RNG pass
+//     y[i]    = x[i] * (keep[i] ? scale : 0)       scale = 1 / (1 - p), product in fp32 (fp64)
+//     dx[i]   = dy[i] * (keep[i] ? scale : 0)      from the saved keep bytes: no second RNG pass
+// (a product, not a select: a dropped inf or NaN gives NaN, as torch's dropout does)
 //
 // The elements of the contiguous tensor are processed in blocks of 64: one block is 16
 // Philox counters (four words each), which AVX-512 evaluates in the 16 lanes of a register,
@@ -103,8 +104,9 @@ inline void apply_block(const scalar_t* in, scalar_t* out, bool* keep_out, uint6
     if constexpr (std::is_same_v<scalar_t, float>) {
       const __m512 s = _mm512_set1_ps(scale);
       for (int q = 0; q < 4; ++q) {
-        const __mmask16 m = static_cast<__mmask16>(bits >> (16 * q));
-        _mm512_storeu_ps(out + 16 * q, _mm512_maskz_mul_ps(m, _mm512_loadu_ps(in + 16 * q), s));
+        // x * (scale or 0), not a masked select: a dropped inf or NaN gives NaN, as in torch
+        const __m512 f = _mm512_maskz_mov_ps(static_cast<__mmask16>(bits >> (16 * q)), s);
+        _mm512_storeu_ps(out + 16 * q, _mm512_mul_ps(_mm512_loadu_ps(in + 16 * q), f));
       }
       return;
     }
@@ -115,7 +117,7 @@ inline void apply_block(const scalar_t* in, scalar_t* out, bool* keep_out, uint6
   for (int64_t e = 0; e < n; ++e) {
     const bool kept = (bits >> e) & 1u;
     if (keep_out != nullptr) keep_out[e] = kept;
-    out[e] = static_cast<scalar_t>(kept ? static_cast<T>(in[e]) * scale : T(0));
+    out[e] = static_cast<scalar_t>(static_cast<T>(in[e]) * (kept ? scale : T(0)));
   }
 }
 

@@ -191,7 +191,8 @@ class _ReferenceImpl:
     @classmethod
     def dropout_bwd(cls, dy, keep, p):
         acc, scale = cls._dropout_scale(dy, p)
-        return torch.where(keep, dy.to(acc) * scale, 0.0).to(dy.dtype)
+        factor = keep.to(acc) * scale  # a product, not a select: a dropped inf or NaN gives NaN
+        return (dy.to(acc) * factor).to(dy.dtype)
 
 
 # --------------------------------------------------------------------------------------

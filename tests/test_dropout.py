@@ -32,7 +32,7 @@ def scale_of(p: float, dtype: torch.dtype) -> float:
 
 def expected(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.where(keep, x.to(acc) * scale_of(p, x.dtype), 0.0).to(x.dtype)
+    return (x.to(acc) * (keep.to(acc) * scale_of(p, x.dtype))).to(x.dtype)
 
 
 def dtypes_for(backend: str) -> list[torch.dtype]:
@@ -59,6 +59,18 @@ def test_forward_and_backward_follow_the_contract(backend, shape):
         torch.testing.assert_close(y, expected(x, keep, 0.3), rtol=0, atol=0)
         dy = torch.randn(shape, device=DEVICE).to(dtype)
         torch.testing.assert_close(bwd(dy, keep, 0.3), expected(dy, keep, 0.3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", backend_params("dropout"))
+def test_dropped_inf_and_nan_give_nan_as_in_torch(backend):
+    fwd, bwd = backends.dropout_ops_for(backend)
+    x = torch.tensor([math.inf, -math.inf, math.nan, -1.0] * 64, device=DEVICE)
+    y, keep = fwd(x, 0.5, 4)
+    assert 0 < int(keep.sum()) < x.numel()
+    torch.testing.assert_close(y, expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(bwd(x, keep, 0.5), expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
+    dropped_inf = torch.isinf(x) & ~keep
+    assert dropped_inf.any() and torch.isnan(y[dropped_inf]).all()
 
 
 @pytest.mark.parametrize("backend", backend_params("dropout"))
