@@ -214,6 +214,56 @@ def test_large_mean_rows_keep_their_variance(ext, device):
     assert (y.double() - ref).abs().max() < 1e-5
 
 
+def _shifted_rows(family, M, N, g):
+    """fp64 rows that stress a variance taken from moments about a point other than the mean."""
+    z = torch.randn(M, N, dtype=torch.float64, generator=g)
+    if family == "large_mean":  # the mean dwarfs the spread
+        return 1e4 + z
+    if family == "outlier_first":  # the first element is far from everything else
+        z[:, 0] = 1e3
+        return z
+    if family == "huge_outlier_first":
+        z[:, 0] = 1e6
+        return z
+    if family == "large_mean_low_first":
+        x = 1e4 + z
+        x[:, 0] = 0.0
+        return x
+    if family == "outlier_first_block":  # the whole first 16 / 32 elements are outliers
+        z[:, :32] += 1e3
+        return z
+    if family == "heavy_tail":  # Cauchy rows: any element can be far out
+        return torch.tan(torch.pi * (torch.rand(M, N, dtype=torch.float64, generator=g) - 0.5))
+    raise KeyError(family)
+
+
+SHIFTED_FAMILIES = ["large_mean", "outlier_first", "huge_outlier_first", "large_mean_low_first",
+                    "outlier_first_block", "heavy_tail"]
+
+
+@pytest.mark.parametrize("N", [256, 1023, 16384])
+@pytest.mark.parametrize("family", SHIFTED_FAMILIES)
+@pytest.mark.parametrize("kind", ["layer_norm", "add_layer_norm"])
+def test_rows_far_from_their_first_elements(ext, kind, family, N):
+    """The forward statistics are one pass of sums about a point near the row's start; rows
+    whose start is far from their mean (outliers, a large mean, heavy tails) must still match
+    the fp64 reference on the same fp32 rows within the fp32 tolerance."""
+    g = torch.Generator().manual_seed(N)
+    M = 8 if N > 4096 else 32
+    x = _shifted_rows(family, M, N, g).float()
+    w, b = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    with fasttrans.use_backend("extension"), torch.no_grad():
+        if kind == "layer_norm":
+            y, h = fasttrans.layer_norm(x, (N,), w, b, 1e-5), x
+        else:
+            r = torch.randn(M, N, generator=g)
+            y, h = fasttrans.add_layer_norm(x - r, r, w, b, 1e-5)
+    ref = reference.layer_norm(h.double(), (N,), w.double(), b.double(), 1e-5)
+    # row by row, so that a row's error is measured against that row's own scale
+    for i in range(M):
+        assert_close_lowp(f"y[{i}]", y[i], ref[i], None, dtype=torch.float32)
+
+
 def test_rms_norm_default_eps_and_scalar_rows(ext):
     x = torch.randn(5, 1)
     _check("rms_norm", x, None, None, None, eps=torch.finfo(torch.float32).eps)
