@@ -1,12 +1,15 @@
 // LayerNorm, add + LayerNorm and RMSNorm on the CPU, forward and backward.
 //
 // Forward, per row of N (rows in parallel; fp32 statistics, fp64 for fp64 inputs):
-//     h    = x + residual            (rounded to x's dtype, exactly what torch's add gives)
-//     mean = h[0] + sum(h - h[0]) / N                         shifted sum (see below)
-//     var  = sum((h - mean)^2) / N                            second pass over the cached row,
-//     rstd = 1 / sqrt(var + eps)                              never E[h^2] - E[h]^2
-//     y    = (h - mean) * rstd * w + b
-// RMSNorm: mean = 0 and rstd = 1 / sqrt(sum(h^2) / N + eps).
+//     h     = x + residual           (rounded to x's dtype, exactly what torch's add gives)
+//     shift = mean of the row's first vector                 a point near the mean
+//     d     = sum(h - shift) / N,   mean = shift + d          one pass over the row for both
+//     var   = (sum((h - shift)^2) - sum(h - shift) * d) / N   sums (see row_stats); never
+//     rstd  = 1 / sqrt(var + eps)                             E[h^2] - E[h]^2 about zero
+//     y     = ((h - shift) * rstd - d * rstd) * w + b
+// RMSNorm: shift = d = 0 and rstd = 1 / sqrt(sum(h^2) / N + eps). add_layer_norm takes the
+// sums in the pass that forms h, so each row is read twice in all: once for h and its
+// sums, once to normalise it.
 //
 // Backward, with xhat = (h - mean) * rstd and g = dy * w:
 //     dh = rstd * (g - mean(g) - xhat * mean(g * xhat))      [+ the gradient flowing into h]
@@ -129,57 +132,191 @@ inline void stream_vec(T* dst, const Vec<T>& v) {
 #endif
 }
 
-// sum(x - shift), four independent accumulator chains (the add latency, not the loads,
-// would otherwise bound the pass)
+// Sum of a vector's lanes, in a fixed order (a shuffle tree on AVX-512: the scalar loop's
+// 16 dependent adds would sit on every row's critical path).
 template <typename T>
-T sum_row_shifted(const T* x, int64_t n, T shift) {
+inline T hsum(const Vec<T>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_reduce_add_ps(v);
+  } else {
+    return _mm512_reduce_add_pd(v);
+  }
+#else
+  return lane_sum(v);
+#endif
+}
+
+// Shifted sums of one row in a single pass: s1 = sum(h - shift), s2 = sum((h - shift)^2).
+// With kCentre false (RMSNorm) only s2 = sum(h^2) is formed.
+template <typename T>
+struct Moments {
+  T s1, s2;
+};
+
+template <bool kCentre, typename T>
+inline void accumulate(const Vec<T>& v, const Vec<T>& vs, Vec<T>& a1, Vec<T>& a2, int64_t count = Vec<T>::size()) {
+  if constexpr (kCentre) {
+    const Vec<T> e = count == Vec<T>::size() ? v - vs : Vec<T>::set(Vec<T>(T(0)), v - vs, count);
+    a1 = a1 + e;
+    a2 = at::vec::fmadd(e, e, a2);
+  } else {
+    a2 = at::vec::fmadd(v, v, a2);
+  }
+}
+
+template <bool kCentre, typename T>
+Moments<T> row_moments(const T* x, int64_t n, T shift) {
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> vs(shift);
-  Vec<T> a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+  Vec<T> p0(T(0)), p1(T(0)), p2(T(0)), p3(T(0)), q0(T(0)), q1(T(0)), q2(T(0)), q3(T(0));
   int64_t k = 0;
   for (; k + 4 * W <= n; k += 4 * W) {
-    a0 = a0 + (Vec<T>::loadu(x + k) - vs);
-    a1 = a1 + (Vec<T>::loadu(x + k + W) - vs);
-    a2 = a2 + (Vec<T>::loadu(x + k + 2 * W) - vs);
-    a3 = a3 + (Vec<T>::loadu(x + k + 3 * W) - vs);
+    accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p0, q0);
+    accumulate<kCentre>(Vec<T>::loadu(x + k + W), vs, p1, q1);
+    accumulate<kCentre>(Vec<T>::loadu(x + k + 2 * W), vs, p2, q2);
+    accumulate<kCentre>(Vec<T>::loadu(x + k + 3 * W), vs, p3, q3);
   }
-  for (; k + W <= n; k += W) a0 = a0 + (Vec<T>::loadu(x + k) - vs);
-  T s = lane_sum((a0 + a1) + (a2 + a3));
-  for (; k < n; ++k) s += x[k] - shift;
-  return s;
+  for (; k + W <= n; k += W) accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p1, q1);
+  // the tail goes into the lane sums too (added one by one to the total, each term would be
+  // rounded to the total's ulp); the lanes past n are zeroed (h - shift = -shift there)
+  if (k < n) accumulate<kCentre>(Vec<T>::loadu(x + k, n - k), vs, p2, q2, n - k);
+  return {kCentre ? hsum((p0 + p1) + (p2 + p3)) : T(0), hsum((q0 + q1) + (q2 + q3))};
 }
 
-// sum(((x - shift) - d)^2): the centred second moment (d = mean - shift)
-template <typename T>
-T sum_sq_dev2(const T* x, int64_t n, T shift, T d) {
+// add_layer_norm's first pass: h = x + r into hbuf (and streamed to hout when given), with
+// the moments of h about shift taken on the way.
+template <bool kCentre, typename T>
+Moments<T> add_row_moments(const T* x, const T* r, T* hbuf, T* hout, int64_t n, T shift) {
   constexpr int64_t W = Vec<T>::size();
-  const Vec<T> vs(shift), vd(d);
-  Vec<T> a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+  const Vec<T> vs(shift);
+  Vec<T> p0(T(0)), p1(T(0)), q0(T(0)), q1(T(0));
   int64_t k = 0;
-  for (; k + 4 * W <= n; k += 4 * W) {
-    const Vec<T> e0 = (Vec<T>::loadu(x + k) - vs) - vd, e1 = (Vec<T>::loadu(x + k + W) - vs) - vd;
-    const Vec<T> e2 = (Vec<T>::loadu(x + k + 2 * W) - vs) - vd, e3 = (Vec<T>::loadu(x + k + 3 * W) - vs) - vd;
-    a0 = at::vec::fmadd(e0, e0, a0);
-    a1 = at::vec::fmadd(e1, e1, a1);
-    a2 = at::vec::fmadd(e2, e2, a2);
-    a3 = at::vec::fmadd(e3, e3, a3);
+  for (; k + 2 * W <= n; k += 2 * W) {
+    const Vec<T> v0 = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
+    const Vec<T> v1 = Vec<T>::loadu(x + k + W) + Vec<T>::loadu(r + k + W);
+    v0.store(hbuf + k);
+    v1.store(hbuf + k + W);
+    if (hout) {
+      stream_vec(hout + k, v0);
+      stream_vec(hout + k + W, v1);
+    }
+    accumulate<kCentre>(v0, vs, p0, q0);
+    accumulate<kCentre>(v1, vs, p1, q1);
   }
-  for (; k + W <= n; k += W) {
-    const Vec<T> e = (Vec<T>::loadu(x + k) - vs) - vd;
-    a0 = at::vec::fmadd(e, e, a0);
+  for (; k + W <= n; k += W) {  // never streamed: hout rows are a multiple of 2 W when given
+    const Vec<T> v = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
+    v.store(hbuf + k);
+    accumulate<kCentre>(v, vs, p0, q0);
   }
-  T s = lane_sum((a0 + a1) + (a2 + a3));
-  for (; k < n; ++k) {
-    const T e = (x[k] - shift) - d;
-    s += e * e;
+  if (k < n) {
+    const Vec<T> v = Vec<T>::loadu(x + k, n - k) + Vec<T>::loadu(r + k, n - k);
+    v.store(hbuf + k, n - k);
+    accumulate<kCentre>(v, vs, p1, q1, n - k);
   }
-  return s;
+  return {kCentre ? hsum(p0 + p1) : T(0), hsum(q0 + q1)};
 }
 
-template <typename scalar_t>
-void norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& bias,
-                     double eps, bool rms, at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
+// The point the moments are taken about: the mean of the row's first vector, computed as
+// h[0] + mean(h[0:W] - h[0]) (differences of nearby values are exact). Any value near the
+// mean keeps h - shift exact; one near the mean within a fraction of a standard deviation
+// also keeps the one-pass variance below from cancelling (see row_stats).
+template <typename T>
+inline T first_vec_mean(const Vec<T>& v0) {
+  alignas(64) T lanes[Vec<T>::size()];
+  v0.store(lanes);
+  return lanes[0] + hsum(v0 - Vec<T>(lanes[0])) / static_cast<T>(Vec<T>::size());
+}
+
+template <typename T>
+inline T row_shift(const T* h, int64_t n) {
+  return n >= Vec<T>::size() ? first_vec_mean(Vec<T>::loadu(h)) : h[0];
+}
+
+// The statistics of one row from its moments about shift: mean = shift + d with d = s1 / N,
+// and the variance from the same single pass,
+//     var = (s2 - s1 * d) / N.
+// s2 / N = var + d^2, so the subtraction loses about log2(1 + d^2 / var) bits of s2; with the
+// shift at the mean of W samples of the row, d^2 / var is about 1 / W (a chi-square with one
+// degree of freedom over W) and the loss is a few hundredths of a bit. Past kMaxShift2 (d^2 >
+// var: one bit; ~1e-4 of Gaussian rows at W = 16) the moments are taken again about the
+// rounded mean shift + d, which lies within a rounding of the true mean: rows whose first
+// elements are outliers, or far out in a heavy tail, or whose mean the first vector misses.
+constexpr int kMaxShift2 = 1;
+
+template <typename T>
+struct RowStats {
+  T shift, d, var;
+};
+
+template <typename T, typename Recompute>
+RowStats<T> row_stats(Moments<T> m, T shift, int64_t n, Recompute&& moments_about) {
+  const T nn = static_cast<T>(n);
+  T d = m.s1 / nn;
+  T var = (m.s2 - m.s1 * d) / nn;
+  // twice at most: the second estimate of the mean is already within rounding of the mean
+  for (int it = 0; it < 2 && d * d > T(kMaxShift2) * var; ++it) {
+    shift = shift + d;
+    m = moments_about(shift);
+    d = m.s1 / nn;
+    var = (m.s2 - m.s1 * d) / nn;
+  }
+  return {shift, d, std::max(var, T(0))};
+}
+
+// y = xhat * w + b with xhat = (h - shift) * rstd - d * rstd: one subtract and one FMA per
+// xhat (h - shift is exact near the mean and d * rstd is a small per-row constant), one FMA
+// for the affine part. RMSNorm (kCentre false): xhat = h * rstd.
+template <bool kCentre, typename T>
+inline void normalize_row(const T* hr, const T* w, const T* b, T* out, bool stream, int64_t n, T shift, T d, T rs) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vshift(shift), vrs(rs), vc(-(d * rs));
+  auto xhat = [&](const Vec<T>& h) {
+    if constexpr (kCentre) {
+      return at::vec::fmadd(h - vshift, vrs, vc);
+    } else {
+      return h * vrs;
+    }
+  };
+  auto emit = [&](int64_t k, const Vec<T>& v) {
+    if (stream) {
+      stream_vec(out + k, v);
+    } else {
+      v.store(out + k);
+    }
+  };
+  int64_t k = 0;
+  if (w && b) {
+    for (; k + W <= n; k += W) emit(k, at::vec::fmadd(xhat(Vec<T>::loadu(hr + k)), Vec<T>::loadu(w + k), Vec<T>::loadu(b + k)));
+  } else if (w) {
+    for (; k + W <= n; k += W) emit(k, xhat(Vec<T>::loadu(hr + k)) * Vec<T>::loadu(w + k));
+  } else if (b) {
+    for (; k + W <= n; k += W) emit(k, xhat(Vec<T>::loadu(hr + k)) + Vec<T>::loadu(b + k));
+  } else {
+    for (; k + W <= n; k += W) emit(k, xhat(Vec<T>::loadu(hr + k)));
+  }
+  for (; k < n; ++k) {  // never reached when streaming (n is a multiple of W)
+    T v = kCentre ? std::fma(hr[k] - shift, rs, -(d * rs)) : hr[k] * rs;
+    if (w) v *= w[k];
+    if (b) v += b[k];
+    out[k] = v;
+  }
+}
+
+// A per-thread scratch row, grown on demand (no allocation per task or per call).
+template <typename T>
+T* scratch(int slot, int64_t n) {
+  static thread_local std::vector<T> bufs[3];  // per element type
+  std::vector<T>& v = bufs[slot];
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+template <bool kCentre, typename scalar_t>
+void norm_fwd_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& bias,
+                   double eps, at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
   using T = acc_t<scalar_t>;
+  constexpr bool kSame = std::is_same_v<scalar_t, T>;
   constexpr int64_t W = Vec<T>::size();
   const int64_t M = x.size(0), N = x.size(1);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
@@ -190,82 +327,92 @@ void norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual, const at::
   const T* w_data = w.defined() ? w.data_ptr<T>() : nullptr;
   const T* b_data = bias.defined() ? bias.data_ptr<T>() : nullptr;
   scalar_t* y_data = y.data_ptr<scalar_t>();
-  T* mean_data = rms ? nullptr : mean.data_ptr<T>();
+  T* mean_data = kCentre ? mean.data_ptr<T>() : nullptr;
   T* rstd_data = rstd.data_ptr<T>();
   const bool stream = use_streaming_stores(M * N * static_cast<int64_t>(sizeof(scalar_t)));
-  const bool direct = can_stream_direct<scalar_t>(stream, N, {y_data, h_data});
+  // direct h streaming from the add loop also needs rows of a multiple of 2 vectors
+  const bool direct = can_stream_direct<scalar_t>(stream, N, {y_data, h_data}) &&
+                      (!h_data || N % (2 * Vec<T>::size()) == 0);
+  const T teps = static_cast<T>(eps);
 
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
-    // per-task row buffers (L1-resident): h and y are finished here, then written out once
-    std::vector<T> hbuf(N), ybuf(N);
-    std::vector<scalar_t> out_buf(std::is_same_v<scalar_t, T> ? 0 : N);
+    // per-thread row buffers (L1-resident): h and y are finished here, then written out once
+    T* hbuf = scratch<T>(0, N);
+    T* ybuf = scratch<T>(1, N);
+    scalar_t* out_buf = kSame ? nullptr : scratch<scalar_t>(2, N);
     for (int64_t i = begin; i < end; ++i) {
-      // the row of h in the accumulation dtype, cached for the passes below
+      // the row of h in the accumulation dtype (cached for the passes below) and its moments
       const T* hr;
+      T shift0 = T(0);
+      Moments<T> m;
       if (r_data) {
         const scalar_t* xi = x_data + i * ldx;
         const scalar_t* ri = r_data + i * ldr;
-        if constexpr (std::is_same_v<scalar_t, T>) {
-          int64_t k = 0;
-          for (; k + W <= N; k += W) {
-            const Vec<T> v = Vec<T>::loadu(xi + k) + Vec<T>::loadu(ri + k);
-            v.store(hbuf.data() + k);
-            if (direct) stream_vec(h_data + i * N + k, v);
+        if constexpr (kSame) {
+          if (kCentre) {
+            shift0 = N >= W ? first_vec_mean(Vec<T>::loadu(xi) + Vec<T>::loadu(ri)) : T(xi[0] + ri[0]);
           }
-          if (k < N) (Vec<T>::loadu(xi + k, N - k) + Vec<T>::loadu(ri + k, N - k)).store(hbuf.data() + k, N - k);
-          if (!direct) write_row(hbuf.data(), h_data + i * N, N, stream);
+          m = add_row_moments<kCentre>(xi, ri, hbuf, direct ? h_data + i * N : nullptr, N, shift0);
+          if (!direct) write_row(hbuf, h_data + i * N, N, stream);
         } else {
           for (int64_t k = 0; k < N; ++k) {
             out_buf[k] = static_cast<scalar_t>(static_cast<T>(xi[k]) + static_cast<T>(ri[k]));  // as torch's add
             hbuf[k] = static_cast<T>(out_buf[k]);
           }
-          write_row(out_buf.data(), h_data + i * N, N, stream);
+          write_row(out_buf, h_data + i * N, N, stream);
+          if (kCentre) shift0 = row_shift(hbuf, N);
+          m = row_moments<kCentre>(hbuf, N, shift0);
         }
-        hr = hbuf.data();
-      } else if constexpr (std::is_same_v<scalar_t, T>) {
-        hr = x_data + i * ldx;
+        hr = hbuf;
       } else {
-        at::vec::convert(x_data + i * ldx, hbuf.data(), N);
-        hr = hbuf.data();
+        if constexpr (kSame) {
+          hr = x_data + i * ldx;
+        } else {
+          at::vec::convert(x_data + i * ldx, hbuf, N);
+          hr = hbuf;
+        }
+        if (kCentre) shift0 = row_shift(hr, N);
+        m = row_moments<kCentre>(hr, N, shift0);
       }
 
-      // The mean is carried as shift + d with shift = h[0]: h - shift is exact for values
-      // near the mean (Sterbenz), so d and the deviations keep full precision even for rows
-      // like 1e4 + noise, where a rounded fp32 mean alone is off by a visible part of the std.
-      const T shift = rms ? T(0) : hr[0];
-      const T d = rms ? T(0) : sum_row_shifted(hr, N, shift) / static_cast<T>(N);
-      const T rs = T(1) / std::sqrt(sum_sq_dev2(hr, N, shift, d) / static_cast<T>(N) + static_cast<T>(eps));
-      if (!rms) mean_data[i] = shift + d;
+      T shift = T(0), d = T(0), var;
+      if constexpr (kCentre) {
+        const RowStats<T> s = row_stats(m, shift0, N, [&](T sh) { return row_moments<true>(hr, N, sh); });
+        shift = s.shift;
+        d = s.d;
+        var = s.var;
+        mean_data[i] = shift + d;
+      } else {
+        var = m.s2 / static_cast<T>(N);
+      }
+      const T rs = T(1) / std::sqrt(var + teps);
       rstd_data[i] = rs;
 
-      T* yo = ybuf.data();
-      const Vec<T> vshift(shift), vd(d), vrs(rs);
-      int64_t k = 0;
-      for (; k + W <= N; k += W) {
-        Vec<T> v = ((Vec<T>::loadu(hr + k) - vshift) - vd) * vrs;
-        if (w_data) v = v * Vec<T>::loadu(w_data + k);
-        if (b_data) v = v + Vec<T>::loadu(b_data + k);
+      if constexpr (kSame) {
         if (direct) {
-          stream_vec(reinterpret_cast<T*>(y_data + i * N) + k, v);
+          normalize_row<kCentre>(hr, w_data, b_data, y_data + i * N, true, N, shift, d, rs);
         } else {
-          v.store(yo + k);
+          normalize_row<kCentre>(hr, w_data, b_data, ybuf, false, N, shift, d, rs);
+          write_row(ybuf, y_data + i * N, N, stream);
         }
-      }
-      for (; k < N; ++k) {  // never reached when direct (N is a multiple of W)
-        T v = ((hr[k] - shift) - d) * rs;
-        if (w_data) v *= w_data[k];
-        if (b_data) v += b_data[k];
-        yo[k] = v;
-      }
-      if constexpr (std::is_same_v<scalar_t, T>) {
-        if (!direct) write_row(yo, y_data + i * N, N, stream);
       } else {
-        at::vec::convert(yo, out_buf.data(), N);
-        write_row(out_buf.data(), y_data + i * N, N, stream);
+        normalize_row<kCentre>(hr, w_data, b_data, ybuf, false, N, shift, d, rs);
+        at::vec::convert(ybuf, out_buf, N);
+        write_row(out_buf, y_data + i * N, N, stream);
       }
     }
     if (stream) stream_fence();
   });
+}
+
+template <typename scalar_t>
+void norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& bias,
+                     double eps, bool rms, at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
+  if (rms) {
+    norm_fwd_rows<false, scalar_t>(x, residual, w, bias, eps, y, h, mean, rstd);
+  } else {
+    norm_fwd_rows<true, scalar_t>(x, residual, w, bias, eps, y, h, mean, rstd);
+  }
 }
 
 // Rows are processed in groups of kRowGroup: pass 1 computes each row's two means, pass 2
