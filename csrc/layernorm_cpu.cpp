@@ -204,12 +204,13 @@ Moments<T> add_row_moments(const T* x, const T* r, T* hbuf, T* hout, int64_t n, 
     accumulate<kCentre>(v0, vs, p0, q0);
     accumulate<kCentre>(v1, vs, p1, q1);
   }
-  for (; k + W <= n; k += W) {  // never streamed: hout rows are a multiple of 2 W when given
+  for (; k + W <= n; k += W) {
     const Vec<T> v = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
     v.store(hbuf + k);
+    if (hout) stream_vec(hout + k, v);
     accumulate<kCentre>(v, vs, p0, q0);
   }
-  if (k < n) {
+  if (k < n) {  // never when streaming (rows are a multiple of W)
     const Vec<T> v = Vec<T>::loadu(x + k, n - k) + Vec<T>::loadu(r + k, n - k);
     v.store(hbuf + k, n - k);
     accumulate<kCentre>(v, vs, p1, q1, n - k);
@@ -303,14 +304,26 @@ inline void normalize_row(const T* hr, const T* w, const T* b, T* out, bool stre
   }
 }
 
-// A per-thread scratch row, grown on demand (no allocation per task or per call).
+// A scratch row: per thread and kept between calls for rows of up to kKeptRow elements (no
+// allocation per task or per call), owned by the task for longer rows (so that one huge
+// call does not pin its buffers to every thread for good).
+constexpr int64_t kKeptRow = int64_t(1) << 16;
+
 template <typename T>
-T* scratch(int slot, int64_t n) {
-  static thread_local std::vector<T> bufs[3];  // per element type
-  std::vector<T>& v = bufs[slot];
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
+class ScratchRow {
+ public:
+  ScratchRow(int slot, int64_t n) {
+    static thread_local std::vector<T> kept[3];  // per element type
+    std::vector<T>& v = n <= kKeptRow ? kept[slot] : own_;
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    data_ = v.data();
+  }
+  T* data() const { return data_; }
+
+ private:
+  std::vector<T> own_;
+  T* data_;
+};
 
 template <bool kCentre, typename scalar_t>
 void norm_fwd_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, const at::Tensor& bias,
@@ -330,16 +343,16 @@ void norm_fwd_rows(const at::Tensor& x, const at::Tensor& residual, const at::Te
   T* mean_data = kCentre ? mean.data_ptr<T>() : nullptr;
   T* rstd_data = rstd.data_ptr<T>();
   const bool stream = use_streaming_stores(M * N * static_cast<int64_t>(sizeof(scalar_t)));
-  // direct h streaming from the add loop also needs rows of a multiple of 2 vectors
-  const bool direct = can_stream_direct<scalar_t>(stream, N, {y_data, h_data}) &&
-                      (!h_data || N % (2 * Vec<T>::size()) == 0);
+  const bool direct = can_stream_direct<scalar_t>(stream, N, {y_data, h_data});
   const T teps = static_cast<T>(eps);
 
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     // per-thread row buffers (L1-resident): h and y are finished here, then written out once
-    T* hbuf = scratch<T>(0, N);
-    T* ybuf = scratch<T>(1, N);
-    scalar_t* out_buf = kSame ? nullptr : scratch<scalar_t>(2, N);
+    const ScratchRow<T> hrow(0, N), yrow(1, N);
+    const ScratchRow<scalar_t> outrow(2, kSame ? 0 : N);
+    T* hbuf = hrow.data();
+    T* ybuf = yrow.data();
+    scalar_t* out_buf = outrow.data();
     for (int64_t i = begin; i < end; ++i) {
       // the row of h in the accumulation dtype (cached for the passes below) and its moments
       const T* hr;

@@ -185,7 +185,7 @@ def test_strided_rows_and_leading_dims(ext, device):
     _check("rms_norm", x, None, w, None)
 
 
-LARGE_CASES = [(torch.float32, 1024), (torch.float32, 1025), (torch.bfloat16, 1025)]
+LARGE_CASES = [(torch.float32, 1024), (torch.float32, 1040), (torch.float32, 1025), (torch.bfloat16, 1025)]
 
 
 @pytest.mark.parametrize("kind", ["add_layer_norm", "layer_norm"])
@@ -193,7 +193,7 @@ LARGE_CASES = [(torch.float32, 1024), (torch.float32, 1025), (torch.bfloat16, 10
 def test_large_outputs(ext, dtype, N, kind):
     """Outputs of 4 MiB and more take the CPU kernels' streaming-store paths: fp32 rows of
     1024 are streamed straight from registers (aligned), rows of 1025 start unaligned and go
-    through a row buffer with a head and a tail."""
+    through a row buffer with a head and a tail; rows of 1040 are an odd number of vectors."""
     M = (4 << 20) // (N * dtype.itemsize) + 3
     x, r = torch.randn(M, N, dtype=dtype), torch.randn(M, N, dtype=dtype)
     w, b = torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype)
