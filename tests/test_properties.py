@@ -156,5 +156,9 @@ def test_norms_match_reference(backend, case):
     with fasttrans.use_backend(backend):
         got = run(fasttrans, (x, r, w, b))
     expected = run(reference, tuple(t.double() if t is not None else None for t in (x, r, w, b)))
-    for i, (a, e) in enumerate(zip(got, expected)):
-        assert_close_lowp(f"{backend} {kind} output/grad #{i}", a, e, None)
+    # PyTorch's own fp32 result as the baseline: some gradients are ill-conditioned (at N = 2
+    # the exact dx is ~0, a difference of terms of size rstd * |dy * w|, so any fp32 result
+    # carries rounding noise far above a floor relative to |dx|)
+    baseline = run(reference, (x, r, w, b))
+    for i, (a, e, base) in enumerate(zip(got, expected, baseline)):
+        assert_close_lowp(f"{backend} {kind} output/grad #{i}", a, e, base)
