@@ -56,7 +56,7 @@ def test_translate_trains_saves_and_reloads(tmp_path):
 
 def test_forced_backend_is_used_and_reported(tmp_path):
     result = train.run(_config(tmp_path, "translate", steps=2, backend="reference"), log=_quiet)
-    assert result.backend == {"attention": "reference", "norm": "reference"}
+    assert result.backend == {"attention": "reference", "norm": "reference", "dropout": "reference"}
 
 
 # --------------------------------------------------------------------------------------
