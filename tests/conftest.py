@@ -53,3 +53,17 @@ def one_thread():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The extension's ops (attention_fwd, attention_bwd, norm_fwd, norm_bwd), built once
+    into the cache; a failed build fails the tests."""
+    import shutil
+
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip(f"no C++ compiler ('{get_cxx_compiler()}') on PATH: the extension cannot be built")
+    backends.BACKENDS["extension"].impl()
+    return backends.ops_for("extension")

@@ -1,7 +1,8 @@
-"""Shared test utilities: the low-precision error rule and mask factories."""
+"""Shared test utilities: the low-precision error rule, mask factories and the dropout oracle."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Per-dtype floor added to the 2x rule: absolute error a correct kernel may always have.
@@ -42,3 +43,43 @@ def make_bool_mask(shape, device, p_keep: float = 0.7) -> torch.Tensor:
 def make_float_mask(shape, device, dtype=torch.float32, neg_inf_frac: float = 0.1) -> torch.Tensor:
     m = torch.randn(shape, device=device, dtype=dtype)
     return m.masked_fill(torch.rand(shape, device=device) < neg_inf_frac, float("-inf"))
+
+
+# --------------------------------------------------------------------------------------
+# dropout: the op contract and the extension's generator (csrc/philox.h) in numpy
+# --------------------------------------------------------------------------------------
+FLAT_DOMAIN = 0x44524F50  # kFlatDomain in csrc/philox.h
+
+
+def dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """1 / (1 - p) rounded to the accumulation dtype (fp64 for fp64, else fp32)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.tensor(1.0 / (1.0 - p), dtype=acc).item()
+
+
+def dropout_expected(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """The contract: x * keep * scale in the accumulation dtype, rounded once to x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(acc) * (keep.to(acc) * dropout_scale(p, x.dtype))).to(x.dtype)
+
+
+def philox_words(seed: int, g: np.ndarray) -> np.ndarray:
+    """(len(g), 4) uint32 words of flat_dropout_words(seed, g) (csrc/philox.h), in numpy."""
+    m32 = np.uint64(0xFFFFFFFF)
+    g = np.asarray(g, dtype=np.uint64)
+    c0, c1 = g & m32, g >> np.uint64(32)
+    c2, c3 = np.zeros_like(g), np.full_like(g, FLAT_DOMAIN)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # exact: 32 x 32 bits
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
+    return np.stack([c0, c1, c2, c3], axis=-1)
+
+
+def philox_keep(seed: int, p: float, numel: int, start: int = 0) -> torch.Tensor:
+    """keep[i] for the flat indices start .. start + numel - 1: (word >> 8) >= round(p * 2**24)."""
+    threshold = min(int(p * 2**24 + 0.5), 2**24)
+    i = np.arange(start, start + numel, dtype=np.uint64)
+    words = philox_words(seed, i >> np.uint64(2))[np.arange(numel), (i & np.uint64(3)).astype(np.int64)]
+    return torch.from_numpy((words >> np.uint64(8)) >= threshold)

@@ -7,7 +7,6 @@ schedules and fp64 gradcheck. Low precision follows the 2x rule of tests/helpers
 The CUDA kernels run the same checks under ``pytest -m gpu``.
 """
 
-import shutil
 
 import numpy as np
 import pytest
@@ -20,17 +19,6 @@ from fasttrans import functional as ftf
 from helpers import assert_close_lowp, make_bool_mask, make_float_mask
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(scope="session")
-def ext():
-    """The loaded extension (built once into the cache); a failed build fails the tests."""
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    if shutil.which(get_cxx_compiler()) is None:
-        pytest.skip(f"no C++ compiler ('{get_cxx_compiler()}') on PATH: the extension cannot be built")
-    backends.BACKENDS["extension"].impl()
-    return backends.ops_for("extension")
 
 
 @pytest.fixture

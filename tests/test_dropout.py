@@ -5,14 +5,13 @@ The contract (fasttrans/backends.py): keep is a function of (seed, flat index) w
 P(keep) = 1 - p; y = x * keep * scale with scale = 1/(1-p) rounded to fp32 (fp64 for fp64
 inputs), the product in that precision, rounded once; backward is dy * keep * scale from
 the saved mask. The extension's mask is also checked bit for bit against Philox4x32-10
-evaluated here in numpy, which is the definition the CUDA kernel shares.
+evaluated in numpy (tests/helpers.py), which is the definition the CUDA kernel shares.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,16 +22,7 @@ from fasttrans import functional as FT
 from fasttrans.functional import DTypeError
 
 from conftest import DEVICE, backend_params
-
-
-def scale_of(p: float, dtype: torch.dtype) -> float:
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.tensor(1.0 / (1.0 - p), dtype=acc).item()
-
-
-def expected(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(acc) * (keep.to(acc) * scale_of(p, x.dtype))).to(x.dtype)
+from helpers import dropout_expected, dropout_scale, philox_keep
 
 
 def dtypes_for(backend: str) -> list[torch.dtype]:
@@ -56,9 +46,9 @@ def test_forward_and_backward_follow_the_contract(backend, shape):
         x = torch.randn(shape, device=DEVICE).to(dtype)
         y, keep = fwd(x, 0.3, 1234)
         assert keep.dtype == torch.bool and keep.shape == x.shape and y.dtype == dtype and y.shape == x.shape
-        torch.testing.assert_close(y, expected(x, keep, 0.3), rtol=0, atol=0)
+        torch.testing.assert_close(y, dropout_expected(x, keep, 0.3), rtol=0, atol=0)
         dy = torch.randn(shape, device=DEVICE).to(dtype)
-        torch.testing.assert_close(bwd(dy, keep, 0.3), expected(dy, keep, 0.3), rtol=0, atol=0)
+        torch.testing.assert_close(bwd(dy, keep, 0.3), dropout_expected(dy, keep, 0.3), rtol=0, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply")  # numpy, in Triton's interpreter
@@ -68,8 +58,8 @@ def test_dropped_inf_and_nan_give_nan_as_in_torch(backend):
     x = torch.tensor([math.inf, -math.inf, math.nan, -1.0] * 64, device=DEVICE)
     y, keep = fwd(x, 0.5, 4)
     assert 0 < int(keep.sum()) < x.numel()
-    torch.testing.assert_close(y, expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(bwd(x, keep, 0.5), expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(y, dropout_expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(bwd(x, keep, 0.5), dropout_expected(x, keep, 0.5), rtol=0, atol=0, equal_nan=True)
     dropped_inf = torch.isinf(x) & ~keep
     assert dropped_inf.any() and torch.isnan(y[dropped_inf]).all()
 
@@ -120,35 +110,8 @@ def test_fp64_gradcheck(backend):
 # --------------------------------------------------------------------------------------
 # the CPU extension's generator, bit for bit
 # --------------------------------------------------------------------------------------
-def philox4x32_10(c: np.ndarray, key: tuple[int, int]) -> np.ndarray:
-    """Philox4x32-10 of the (n, 4) uint32 counters ``c`` under ``key``; numpy, for tests."""
-    c = c.astype(np.uint64)
-    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
-    mask = np.uint64(0xFFFFFFFF)
-    for _ in range(10):
-        p0 = np.uint64(0xD2511F53) * c[:, 0]
-        p1 = np.uint64(0xCD9E8D57) * c[:, 2]
-        c = np.stack([((p1 >> np.uint64(32)) ^ c[:, 1] ^ k0) & mask, p1 & mask,
-                      ((p0 >> np.uint64(32)) ^ c[:, 3] ^ k1) & mask, p0 & mask], axis=1)
-        k0 = (k0 + np.uint64(0x9E3779B9)) & mask
-        k1 = (k1 + np.uint64(0xBB67AE85)) & mask
-    return c.astype(np.uint32)
-
-
-def philox_keep(n: int, p: float, seed: int) -> torch.Tensor:
-    groups = np.arange((n + 3) // 4, dtype=np.uint64)
-    counters = np.stack([groups & np.uint64(0xFFFFFFFF), groups >> np.uint64(32),
-                         np.zeros_like(groups), np.full_like(groups, 0x44524F50)], axis=1)
-    words = philox4x32_10(counters, (seed & 0xFFFFFFFF, seed >> 32)).reshape(-1)[:n]
-    threshold = min(int(p * 2**24 + 0.5), 2**24)
-    return torch.from_numpy((words >> 8) >= threshold)
-
-
 @pytest.fixture(scope="module")
-def extension_dropout():
-    why = backends.get_backend("extension").unavailable_reason("cpu", "dropout")
-    if why is not None:
-        pytest.skip(f"extension: {why}")
+def extension_dropout(ext):
     return backends.dropout_ops_for("extension")
 
 
@@ -157,7 +120,7 @@ def extension_dropout():
 def test_extension_mask_is_philox_of_the_flat_index(extension_dropout, n, seed):
     fwd, _ = extension_dropout
     keep = fwd(torch.randn(n), 0.35, seed)[1]
-    assert torch.equal(keep, philox_keep(n, 0.35, seed))
+    assert torch.equal(keep, philox_keep(seed, 0.35, n))
 
 
 def test_extension_mask_does_not_depend_on_the_thread_count(extension_dropout):
@@ -195,10 +158,10 @@ def test_functional_matches_its_mask_hook_and_gradient(backend):
         keep = FT.dropout_mask(x, 0.2)
         torch.manual_seed(21)
         y = FT.dropout(x, 0.2)
-    torch.testing.assert_close(y, expected(x.detach(), keep, 0.2), rtol=0, atol=0)
+    torch.testing.assert_close(y, dropout_expected(x.detach(), keep, 0.2), rtol=0, atol=0)
     g = torch.randn_like(y)
     y.backward(g)
-    torch.testing.assert_close(x.grad, expected(g, keep, 0.2), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, dropout_expected(g, keep, 0.2), rtol=0, atol=0)
 
 
 def test_functional_seed_follows_torch_manual_seed():
@@ -271,7 +234,7 @@ def test_module_is_a_drop_in_for_torch_dropout():
     y = m(x)
     kept = y != 0
     assert binomial_ok(int(kept.sum()), x.numel(), 0.25)
-    torch.testing.assert_close(y[kept], x[kept] * scale_of(0.25, x.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(y[kept], x[kept] * dropout_scale(0.25, x.dtype), rtol=0, atol=0)
     m.eval()
     assert m(x) is x
 

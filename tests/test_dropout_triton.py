@@ -4,7 +4,7 @@ Without a GPU the kernels run through Triton's interpreter (tests/conftest.py sw
 on), so sizes are small and awkward: empty, one element, odd, one past a block, 3-D. The
 oracles are exact:
 
-- the keep-mask against ``philox_keep`` below, a numpy transcription of csrc/philox.h
+- the keep-mask against ``philox_keep`` (tests/helpers.py), a numpy transcription of csrc/philox.h
   (flat_dropout_words + dropout_keep_word), itself checked against the header compiled as
   C++; so the Triton mask is the CPU/CUDA extension's mask, bit for bit;
 - y and dx against the contract's formula in torch: ``(x.float() * keep * scale)`` rounded
@@ -18,11 +18,10 @@ against the CPU extension's, and a tensor beyond 2**31 elements (the int64-offse
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 import torch
 
-from fasttrans import backends, extension
+from fasttrans import backends
 from fasttrans.extension import source_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,38 +33,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fasttrans.kernels import dropout as K  # noqa: E402  (after conftest chose the interpreter)
+from helpers import dropout_expected, philox_keep  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-# ---------------------------------------------------------------------------------------
-# oracles
-# ---------------------------------------------------------------------------------------
-def philox_words(seed: int, g: np.ndarray) -> np.ndarray:
-    """(len(g), 4) uint32 words of flat_dropout_words(seed, g) (csrc/philox.h), in numpy."""
-    m32 = np.uint64(0xFFFFFFFF)
-    g = np.asarray(g, dtype=np.uint64)
-    c0, c1 = g & m32, g >> np.uint64(32)
-    c2, c3 = np.zeros_like(g), np.full_like(g, K.FLAT_DOMAIN)
-    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
-    for _ in range(10):
-        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # exact: 32 x 32 bits
-        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m32
-        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    return np.stack([c0, c1, c2, c3], axis=-1)
-
-
-def philox_keep(seed: int, p: float, numel: int, start: int = 0) -> torch.Tensor:
-    """keep[i] for the flat indices start .. start + numel - 1: (word >> 8) >= threshold."""
-    i = np.arange(start, start + numel, dtype=np.uint64)
-    words = philox_words(seed, i >> np.uint64(2))[np.arange(numel), (i & np.uint64(3)).astype(np.int64)]
-    return torch.from_numpy((words >> np.uint64(8)) >= K.dropout_threshold(p))
-
-
-def expected(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """The contract: x * keep * scale in fp32 with scale = fp32(1 / (1 - p)), rounded once."""
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)  # double, then one rounding
-    return (x.float() * keep * scale.to(x.device)).to(x.dtype)
 
 
 def assert_exact(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
@@ -88,7 +58,7 @@ def test_forward_matches_contract(shape, dtype):
     y, keep = K.dropout_fwd(x, p, seed)
     assert keep.dtype == torch.bool and keep.shape == x.shape and keep.is_contiguous()
     assert torch.equal(keep.flatten().cpu(), philox_keep(seed, p, x.numel()))
-    assert_exact(y, expected(x, keep, p), "y")
+    assert_exact(y, dropout_expected(x, keep, p), "y")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter: inf * 0, 65504 * 2
@@ -100,20 +70,11 @@ def test_special_values(dtype):
                      device=DEVICE).to(dtype)
     y, keep = K.dropout_fwd(x, p, seed)
     assert 0 < keep.sum() < keep.numel()
-    want = expected(x, keep, p)
+    want = dropout_expected(x, keep, p)
     assert_exact(y, want, "y")
     # the sign of zero, which assert_close does not see
     zero = want == 0
     assert torch.equal(torch.signbit(y[zero]), torch.signbit(want[zero]))
-
-
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_keep_fraction(p):
-    """keep ~ Bernoulli(1 - p): the count is within 6 binomial standard deviations."""
-    n = 200_003
-    _, keep = K.dropout_fwd(torch.zeros(n, device=DEVICE, dtype=torch.float16), p, 12345)
-    mean, std = n * (1 - p), (n * p * (1 - p)) ** 0.5
-    assert abs(keep.sum().item() - mean) <= 6 * std, (keep.sum().item(), mean, std)
 
 
 def test_seed_determines_the_mask():
@@ -204,12 +165,8 @@ def test_oracle_matches_philox_h(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_the_cpu_extension(dtype):
+def test_matches_the_cpu_extension(dtype, ext):
     """The CPU extension (csrc/dropout_cpu.cpp) gives the same mask, values and gradient."""
-    try:
-        extension.load()
-    except extension.ExtensionBuildError as e:
-        pytest.skip(f"the extension did not build: {e}")
     ops = torch.ops.fasttrans
     p, seed = 0.3, 2**50 + 1
     x = torch.randn(3, 1001, device=DEVICE).to(dtype)
@@ -262,7 +219,7 @@ def test_backward_matches_contract(shape, dtype):
     _, keep = K.dropout_fwd(x, p, 4)
     dy = (torch.randn(shape, device=DEVICE) * 5).to(dtype)
     dx = K.dropout_bwd(dy, keep, p)
-    assert_exact(dx, expected(dy, keep, p), "dx")
+    assert_exact(dx, dropout_expected(dy, keep, p), "dx")
 
 
 def test_backward_of_expanded_and_strided_gradients():
@@ -272,7 +229,7 @@ def test_backward_of_expanded_and_strided_gradients():
     _, keep = K.dropout_fwd(x, p, 11)
     for dy in (torch.ones((), device=DEVICE).expand(6, 9), torch.randn(9, 6, device=DEVICE).t()):
         assert not dy.is_contiguous()
-        assert_exact(K.dropout_bwd(dy, keep, p), expected(dy.contiguous(), keep, p), "dx")
+        assert_exact(K.dropout_bwd(dy, keep, p), dropout_expected(dy.contiguous(), keep, p), "dx")
 
 
 def test_float64_is_rejected():
@@ -311,13 +268,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 @pytest.fixture(scope="module")
-def extension_ops():
+def extension_ops(ext):
     """torch.ops.fasttrans with the extension loaded (its CPU and CUDA dropout kernels)."""
-    try:
-        impl = extension.load()
-    except extension.ExtensionBuildError as e:
-        pytest.fail(f"the extension did not build: {e}")
-    why = impl.unavailable_reason(torch.device("cuda"), "dropout")
+    why = backends.BACKENDS["extension"].unavailable_reason("cuda", "dropout")
     if why:
         pytest.fail(f"extension unavailable on cuda: {why}")
     return torch.ops.fasttrans
@@ -335,7 +288,7 @@ def test_gpu_triton_contract(shape, dtype, p):
     seed = 2**62 + 17
     x = torch.randn(shape, device="cuda").to(dtype)
     y, keep = K.dropout_fwd(x, p, seed)
-    assert_exact(y, expected(x, keep, p), "y")
+    assert_exact(y, dropout_expected(x, keep, p), "y")
     n = x.numel()
     head = min(n, 2**16)  # the oracle is numpy: check a prefix of the big ones
     assert torch.equal(keep.flatten()[:head].cpu(), philox_keep(seed, p, head))
@@ -343,7 +296,7 @@ def test_gpu_triton_contract(shape, dtype, p):
         mean, std = n * (1 - p), (n * p * (1 - p)) ** 0.5
         assert abs(keep.sum().item() - mean) <= 6 * std
     dy = torch.randn_like(x)
-    assert_exact(K.dropout_bwd(dy, keep, p), expected(dy, keep, p), "dx")
+    assert_exact(K.dropout_bwd(dy, keep, p), dropout_expected(dy, keep, p), "dx")
     y2, keep2 = K.dropout_fwd(x, p, seed)
     assert torch.equal(keep2, keep) and torch.equal(y2, y)
 
@@ -360,16 +313,16 @@ def test_gpu_extension_mask_equals_cpu_extension(numel, dtype, extension_ops):
     y_cpu, keep_cpu = extension_ops.dropout_fwd_extension(x.cpu(), p, seed)
     assert keep.dtype == torch.bool and torch.equal(keep.cpu(), keep_cpu)
     assert torch.equal(keep, K.dropout_fwd(x, p, seed)[1])
-    assert_exact(y, expected(x, keep, p), "y")
+    assert_exact(y, dropout_expected(x, keep, p), "y")
     dy = torch.randn_like(x)
-    assert_exact(extension_ops.dropout_bwd_extension(dy, keep, p), expected(dy, keep, p), "dx")
+    assert_exact(extension_ops.dropout_bwd_extension(dy, keep, p), dropout_expected(dy, keep, p), "dx")
     # an unaligned view (element offset 1) takes the scalar path: the same mask and values
     if numel > 1:
         view = torch.randn(numel + 1, device="cuda").to(dtype)[1:]
         y_v, keep_v = extension_ops.dropout_fwd_extension(view, p, seed)
         assert torch.equal(keep_v, keep)
-        assert_exact(y_v, expected(view, keep, p), "y (unaligned)")
-        assert_exact(extension_ops.dropout_bwd_extension(view, keep, p), expected(view, keep, p), "dx (unaligned)")
+        assert_exact(y_v, dropout_expected(view, keep, p), "y (unaligned)")
+        assert_exact(extension_ops.dropout_bwd_extension(view, keep, p), dropout_expected(view, keep, p), "dx (unaligned)")
 
 
 @pytest.mark.gpu
@@ -386,7 +339,7 @@ def test_gpu_beyond_int32_offsets(extension_ops):
     tail = 10_000
     want = philox_keep(seed, p, tail, start=n - tail)
     assert torch.equal(keep[-tail:].cpu(), want)
-    assert_exact(y[-tail:].cpu(), expected(x[-tail:].cpu(), want, p), "y tail")
+    assert_exact(y[-tail:].cpu(), dropout_expected(x[-tail:].cpu(), want, p), "y tail")
     del y
     keep_ext = extension_ops.dropout_fwd_extension(x, p, seed)[1]
     assert torch.equal(keep_ext, keep)

@@ -8,7 +8,6 @@ lock, and what the registry does when a build fails.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,17 +22,6 @@ from fasttrans import backends, extension, reference
 from helpers import assert_close_lowp
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(scope="session")
-def ext():
-    """The loaded extension (built once into the cache); a failed build fails the tests."""
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    if shutil.which(get_cxx_compiler()) is None:
-        pytest.skip(f"no C++ compiler ('{get_cxx_compiler()}') on PATH: the extension cannot be built")
-    backends.BACKENDS["extension"].impl()
-    return backends.ops_for("extension")
 
 
 def _device_ok(device):
