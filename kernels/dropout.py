@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
-           "FWD_CONFIG", "BWD_CONFIG"]
+           "CONFIG"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_LIMIT = 2**31
@@ -73,12 +73,11 @@ class DropoutConfig:
         return f"b{self.BLOCK}_w{self.num_warps}"
 
 
-# 16 elements per thread: four Philox groups (one 4x32-bit call each) and, per tensor, four
-# independent 4-element accesses (16 bytes for fp32, 8 for fp16/bf16, 4 for the mask) in
-# flight per thread, for a bandwidth-bound kernel, far from the register limit (ptxas, sm_80
-# and sm_90: 25-64 registers, no spills, no shared memory).
-FWD_CONFIG = DropoutConfig(BLOCK=2048, num_warps=4)
-BWD_CONFIG = DropoutConfig(BLOCK=2048, num_warps=4)
+# Forward and backward: 16 elements per thread: four Philox groups (one 4x32-bit call each)
+# and, per tensor, four independent 4-element accesses (16 bytes for fp32, 8 for fp16/bf16,
+# 4 for the mask) in flight per thread, for a bandwidth-bound kernel, far from the register
+# limit (ptxas, sm_80 and sm_90: 25-64 registers, no spills, no shared memory).
+CONFIG = DropoutConfig(BLOCK=2048, num_warps=4)
 NUM_STAGES = 1  # no tl.dot: software pipelining has nothing to do
 # Last Philox counter word of elementwise dropout ("DROP", kFlatDomain in csrc/philox.h);
 # attention's dropout uses that word for the batch index, so the two never share counters.
@@ -123,6 +122,18 @@ def _round_to_output(v, OUT_DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _block_groups(BLOCK: tl.constexpr, INDEX_64: tl.constexpr):
+    """This program's Philox groups g (BLOCK / 4 of them) and the (BLOCK / 4, 4) tile of
+    element offsets 4g + j: row r is group g[r], column j its element and word j."""
+    GROUPS: tl.constexpr = BLOCK // 4
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    g = pid * GROUPS + tl.arange(0, GROUPS)
+    return g, g[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
 def _dropout_fwd_kernel(
     X,  # input, (numel,) contiguous
     Y,  # output, (numel,) in X's dtype
@@ -135,11 +146,7 @@ def _dropout_fwd_kernel(
     INDEX_64: tl.constexpr,  # offsets in int64 (numel beyond int32)
     RNE_BF16: tl.constexpr,  # interpreter only: round bf16 outputs on the bits
 ):
-    GROUPS: tl.constexpr = BLOCK // 4
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    g = pid * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,) Philox group of elements 4g .. 4g+3
+    g, offsets = _block_groups(BLOCK, INDEX_64)
     lo = g.to(tl.uint32)  # truncates the int64 index to its low word
     if INDEX_64:
         hi = (g >> 32).to(tl.uint32)
@@ -148,11 +155,9 @@ def _dropout_fwd_kernel(
     zero = lo * 0
     w0, w1, w2, w3 = tl.philox(seed, lo, hi, zero, zero + _FLAT_DOMAIN)
 
-    # (GROUPS, 4) tile: row r is group g[r], column j its element 4g + j and word j
-    j = tl.arange(0, 4)[None, :]
+    j = tl.arange(0, 4)[None, :]  # word j of a group decides element 4g + j
     word = tl.where(j == 0, w0[:, None], tl.where(j == 1, w1[:, None], tl.where(j == 2, w2[:, None], w3[:, None])))
     keep = (word >> 8).to(tl.int32) >= threshold  # 24-bit integers: exact on every device
-    offsets = g[:, None] * 4 + j
     mask = offsets < numel
 
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -174,12 +179,7 @@ def _dropout_bwd_kernel(
 ):
     # the forward's (BLOCK / 4, 4) tile: the uint8 keep-mask and dy then share one register
     # layout (a 1-D block gives each its own vector width and a shuffle through shared memory)
-    GROUPS: tl.constexpr = BLOCK // 4
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    g = pid * GROUPS + tl.arange(0, GROUPS)
-    offsets = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    _, offsets = _block_groups(BLOCK, INDEX_64)
     mask = offsets < numel
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
     keep = tl.load(Keep + offsets, mask=mask, other=0) != 0
@@ -214,7 +214,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
     depend on the block size).
     """
     _check_dtype("x", x)
-    cfg = config or FWD_CONFIG
+    cfg = config or CONFIG
     x = x.contiguous()  # a no-op for the contiguous inputs of the contract
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -234,7 +234,7 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
     _check_dtype("dy", dy)
     if keep.shape != dy.shape:
         raise ValueError(f"keep: expected the shape of dy {tuple(dy.shape)}, got {tuple(keep.shape)}")
-    cfg = config or BWD_CONFIG
+    cfg = config or CONFIG
     # gradients often arrive expanded (stride 0, from y.sum().backward()): copy on purpose
     dy = dy.contiguous()
     keep = keep.contiguous().view(torch.uint8)
@@ -296,7 +296,7 @@ def compile_targets() -> list[dict]:
     """
     targets = []
     for dtype in _TRITON_DTYPE.values():
-        for fn, cfg in ((_dropout_fwd_kernel, FWD_CONFIG), (_dropout_bwd_kernel, BWD_CONFIG)):
+        for fn in (_dropout_fwd_kernel, _dropout_bwd_kernel):
             for index_64, divisible in ((False, True), (False, False), (True, True)):
-                targets.append(_target(fn, cfg, dtype, index_64, divisible))
+                targets.append(_target(fn, CONFIG, dtype, index_64, divisible))
     return targets

@@ -47,7 +47,7 @@ def assert_exact(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 # forward: mask and values
 # ---------------------------------------------------------------------------------------
 # empty, one element, fewer than a Philox group, odd, one past a block, 3-D (and 3-D empty)
-SHAPES = [(0,), (1,), (3,), (5,), (1023,), (K.FWD_CONFIG.BLOCK + 1,), (3, 5, 7), (2, 0, 3)]
+SHAPES = [(0,), (1,), (3,), (5,), (1023,), (K.CONFIG.BLOCK + 1,), (3, 5, 7), (2, 0, 3)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -121,7 +121,7 @@ def test_int64_offsets_give_the_same_mask():
     x = torch.randn(5000, device=DEVICE, dtype=torch.bfloat16)
     p, seed = 0.3, 2**40 + 3
     y_ref, keep_ref = K.dropout_fwd(x, p, seed)
-    cfg = K.FWD_CONFIG
+    cfg = K.CONFIG
     y = torch.empty_like(x)
     keep = torch.empty(x.shape, dtype=torch.uint8, device=DEVICE)
     rne = K._rne_bf16(x.dtype)
@@ -211,7 +211,7 @@ def test_threshold_and_scale_follow_the_contract():
 # backward
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (K.BWD_CONFIG.BLOCK + 3,), (3, 5, 7)],
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (K.CONFIG.BLOCK + 3,), (3, 5, 7)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_backward_matches_contract(shape, dtype):
     p = 0.6
@@ -254,7 +254,8 @@ def test_compile_targets_cover_every_launch():
     assert len({(t["kernel"], t["config"]) for t in targets}) == len(targets), "duplicate configuration names"
     covered = {(t["kernel"], t["constexprs"]["BLOCK"], t["constexprs"]["INDEX_64"], t["num_warps"],
                 t["signature"].get("X", t["signature"].get("DY"))) for t in targets}
-    for kernel, cfg in (("_dropout_fwd_kernel", K.FWD_CONFIG), ("_dropout_bwd_kernel", K.BWD_CONFIG)):
+    cfg = K.CONFIG
+    for kernel in ("_dropout_fwd_kernel", "_dropout_bwd_kernel"):
         for dtype in ("*fp32", "*fp16", "*bf16"):
             for numel in (1, 2**31, 2**31 + 1):
                 key = (kernel, cfg.BLOCK, K._index_64(numel, cfg.BLOCK), cfg.num_warps, dtype)
