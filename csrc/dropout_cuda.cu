@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cuda_convert.cuh"
 #include "cuda_launchers.h"
 #include "philox.h"
 
@@ -31,19 +32,6 @@ namespace {
 constexpr int kThreads = 256;
 // Grid cap: enough resident blocks for any current GPU; larger tensors loop (grid-stride).
 constexpr int64_t kMaxBlocks = 65536;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // Four consecutive elements, loaded or stored with one instruction (16 bytes for fp32,
 // 8 for fp16/bf16, 4 for the bool mask).

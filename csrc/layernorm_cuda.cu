@@ -1,5 +1,7 @@
 // LayerNorm, add + LayerNorm and RMSNorm on CUDA: the fallback for GPUs where the Triton
-// kernels cannot run. Same contract and math as layernorm_cpu.cpp:
+// kernels cannot run. Same contract as layernorm_cpu.cpp; the statistics are taken in
+// the shifted two-pass form below (the CPU forward takes them in one pass about a checked
+// shift, see layernorm_cpu.cpp):
 //
 //   forward   one block per row: h = x + residual (rounded to the input dtype), the mean as
 //             h[0] + d (shifted sum, exact deviations near the mean), the centred variance in
@@ -15,6 +17,7 @@
 
 #include <cstdint>
 
+#include "cuda_convert.cuh"
 #include "cuda_launchers.h"
 
 namespace fasttrans::cuda_kernels {
@@ -26,19 +29,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Resident blocks per SM the register allocation must allow (without the hint ptxas chose a
 // register budget for the half/bf16 backward on sm_80 that spilled).
 constexpr int kMinBlocks = 2;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // Sum over the block, in a fixed order; every thread gets the same value.
 __device__ __forceinline__ float block_sum(float v, float* red) {
