@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -77,14 +78,11 @@ inline Vec<T> vexp(const Vec<T>& x) {
   }
 }
 
-// Sum of a vector's lanes in a fixed order (deterministic).
+// Sum of a vector's lanes in a fixed order (deterministic): ATen's shuffle tree for fp32
+// (a scalar loop's 16 dependent adds would sit on every row's critical path).
 template <typename T>
 inline T lane_sum(const Vec<T>& v) {
-  alignas(64) T tmp[Vec<T>::size()];
-  v.store(tmp);
-  T s = 0;
-  for (int64_t k = 0; k < Vec<T>::size(); ++k) s += tmp[k];
-  return s;
+  return at::vec::vec_reduce_all<T>(std::plus<Vec<T>>(), v);
 }
 
 template <typename T>

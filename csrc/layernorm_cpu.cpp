@@ -132,21 +132,6 @@ inline void stream_vec(T* dst, const Vec<T>& v) {
 #endif
 }
 
-// Sum of a vector's lanes, in a fixed order (a shuffle tree on AVX-512: the scalar loop's
-// 16 dependent adds would sit on every row's critical path).
-template <typename T>
-inline T hsum(const Vec<T>& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_reduce_add_ps(v);
-  } else {
-    return _mm512_reduce_add_pd(v);
-  }
-#else
-  return lane_sum(v);
-#endif
-}
-
 // Shifted sums of one row in a single pass: s1 = sum(h - shift), s2 = sum((h - shift)^2).
 // With kCentre false (RMSNorm) only s2 = sum(h^2) is formed.
 template <typename T>
@@ -181,7 +166,7 @@ Moments<T> row_moments(const T* x, int64_t n, T shift) {
   // the tail goes into the lane sums too (added one by one to the total, each term would be
   // rounded to the total's ulp); the lanes past n are zeroed (h - shift = -shift there)
   if (k < n) accumulate<kCentre>(Vec<T>::loadu(x + k, n - k), vs, p2, q2, n - k);
-  return {kCentre ? hsum((p0 + p1) + (p2 + p3)) : T(0), hsum((q0 + q1) + (q2 + q3))};
+  return {kCentre ? lane_sum((p0 + p1) + (p2 + p3)) : T(0), lane_sum((q0 + q1) + (q2 + q3))};
 }
 
 // add_layer_norm's first pass: h = x + r into hbuf (and streamed to hout when given), with
@@ -215,7 +200,7 @@ Moments<T> add_row_moments(const T* x, const T* r, T* hbuf, T* hout, int64_t n, 
     v.store(hbuf + k, n - k);
     accumulate<kCentre>(v, vs, p1, q1, n - k);
   }
-  return {kCentre ? hsum(p0 + p1) : T(0), hsum(q0 + q1)};
+  return {kCentre ? lane_sum(p0 + p1) : T(0), lane_sum(q0 + q1)};
 }
 
 // The point the moments are taken about: the mean of the row's first vector, computed as
@@ -226,7 +211,7 @@ template <typename T>
 inline T first_vec_mean(const Vec<T>& v0) {
   alignas(64) T lanes[Vec<T>::size()];
   v0.store(lanes);
-  return lanes[0] + hsum(v0 - Vec<T>(lanes[0])) / static_cast<T>(Vec<T>::size());
+  return lanes[0] + lane_sum(v0 - Vec<T>(lanes[0])) / static_cast<T>(Vec<T>::size());
 }
 
 template <typename T>
