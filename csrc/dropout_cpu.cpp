@@ -135,6 +135,25 @@ void check_probability(double p) {
   TORCH_CHECK(p > 0.0 && p < 1.0, "p: expected a dropout probability in (0, 1), got ", p);
 }
 
+// out = in * (keep ? scale : 0), block by block in parallel, with bits_of(blk, e0, n) giving
+// the keep bits of a block; keep_out (forward) receives them as bytes.
+template <typename BitsOf>
+void scale_blocks(const at::Tensor& in, at::Tensor& out, bool* keep_out, double p, const BitsOf& bits_of) {
+  const int64_t numel = in.numel();
+  const int64_t n_blocks = (numel + kBlock - 1) / kBlock;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "dropout_extension", [&] {
+    const auto scale = static_cast<acc_t<scalar_t>>(1.0 / (1.0 - p));
+    const scalar_t* src = in.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n_blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t e0 = blk * kBlock, n = std::min(kBlock, numel - e0);
+        apply_block<scalar_t>(src + e0, dst + e0, keep_out ? keep_out + e0 : nullptr, bits_of(blk, e0, n), n, scale);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p, int64_t seed) {
@@ -144,24 +163,10 @@ std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p,
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
-  const int64_t numel = x.numel();
-  if (numel == 0) return {y, keep};
   const uint32_t threshold = dropout_threshold(p);
   const uint64_t useed = static_cast<uint64_t>(seed);
-  const int64_t n_blocks = (numel + kBlock - 1) / kBlock;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dropout_fwd_extension", [&] {
-    using T = acc_t<scalar_t>;
-    const T scale = static_cast<T>(1.0 / (1.0 - p));
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    scalar_t* out = y.data_ptr<scalar_t>();
-    bool* kp = keep.data_ptr<bool>();
-    at::parallel_for(0, n_blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t e0 = blk * kBlock, n = std::min(kBlock, numel - e0);
-        const uint64_t bits = keep_bits(useed, threshold, static_cast<uint64_t>(blk));
-        apply_block(in + e0, out + e0, kp + e0, bits, n, scale);
-      }
-    });
+  scale_blocks(x, y, keep.data_ptr<bool>(), p, [&](int64_t blk, int64_t, int64_t) {
+    return keep_bits(useed, threshold, static_cast<uint64_t>(blk));
   });
   return {y, keep};
 }
@@ -174,22 +179,8 @@ at::Tensor dropout_bwd(const at::Tensor& dy_in, const at::Tensor& keep_in, doubl
   const at::Tensor dy = dy_in.contiguous();
   const at::Tensor keep = keep_in.contiguous();
   at::Tensor dx = at::empty(dy.sizes(), dy.options());
-  const int64_t numel = dy.numel();
-  if (numel == 0) return dx;
-  const int64_t n_blocks = (numel + kBlock - 1) / kBlock;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "dropout_bwd_extension", [&] {
-    using T = acc_t<scalar_t>;
-    const T scale = static_cast<T>(1.0 / (1.0 - p));
-    const scalar_t* in = dy.data_ptr<scalar_t>();
-    scalar_t* out = dx.data_ptr<scalar_t>();
-    const bool* kp = keep.data_ptr<bool>();
-    at::parallel_for(0, n_blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t e0 = blk * kBlock, n = std::min(kBlock, numel - e0);
-        apply_block<scalar_t>(in + e0, out + e0, nullptr, bits_from_bytes(kp + e0, n), n, scale);
-      }
-    });
-  });
+  const bool* kp = keep.data_ptr<bool>();
+  scale_blocks(dy, dx, nullptr, p, [&](int64_t, int64_t e0, int64_t n) { return bits_from_bytes(kp + e0, n); });
   return dx;
 }
 
