@@ -45,6 +45,17 @@ def make_float_mask(shape, device, dtype=torch.float32, neg_inf_frac: float = 0.
     return m.masked_fill(torch.rand(shape, device=device) < neg_inf_frac, float("-inf"))
 
 
+def assert_compile_targets_well_formed(targets: list[dict], num_stages: int) -> None:
+    """The compile-check protocol of a kernel module's compile_targets() (elementwise kernels:
+    no matmul): every key, a type for each argument in order, unique configuration names."""
+    for t in targets:
+        assert set(t) >= {"kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul"}
+        assert list(t["signature"]) == list(t["fn"].arg_names), t["config"]
+        assert all(t["signature"][k] == "constexpr" for k in t["constexprs"]), t["config"]
+        assert t["matmul"] is False and t["num_stages"] == num_stages
+    assert len({(t["kernel"], t["config"]) for t in targets}) == len(targets), "duplicate configuration names"
+
+
 # --------------------------------------------------------------------------------------
 # dropout: the op contract and the extension's generator (csrc/philox.h) in numpy
 # --------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fasttrans.kernels import dropout as K  # noqa: E402  (after conftest chose the interpreter)
-from helpers import dropout_expected, philox_keep  # noqa: E402
+from helpers import assert_compile_targets_well_formed, dropout_expected, philox_keep  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -246,12 +246,7 @@ def test_float64_is_rejected():
 def test_compile_targets_cover_every_launch():
     """compile_targets() lists each (kernel, configuration, dtype, offset width) the launchers use."""
     targets = K.compile_targets()
-    for t in targets:
-        assert set(t) >= {"kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul"}
-        assert list(t["signature"]) == list(t["fn"].arg_names), t["config"]
-        assert all(t["signature"][k] == "constexpr" for k in t["constexprs"]), t["config"]
-        assert t["matmul"] is False and t["num_stages"] == K.NUM_STAGES
-    assert len({(t["kernel"], t["config"]) for t in targets}) == len(targets), "duplicate configuration names"
+    assert_compile_targets_well_formed(targets, K.NUM_STAGES)
     covered = {(t["kernel"], t["constexprs"]["BLOCK"], t["constexprs"]["INDEX_64"], t["num_warps"],
                 t["signature"].get("X", t["signature"].get("DY"))) for t in targets}
     cfg = K.CONFIG

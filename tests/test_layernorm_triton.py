@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import fasttrans
 from fasttrans import backends, reference
 
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, assert_compile_targets_well_formed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _why = backends.BACKENDS["triton"].unavailable_reason(DEVICE, "norm")
@@ -298,13 +298,7 @@ def test_opcheck():
 def test_compile_targets_cover_every_launch():
     """compile_targets() lists each configuration the launchers can pick, per dtype, well formed."""
     targets = K.compile_targets()
-    for t in targets:
-        assert set(t) >= {"kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul"}
-        assert list(t["signature"]) == list(t["fn"].arg_names), t["config"]
-        assert all(t["signature"][k] == "constexpr" for k in t["constexprs"]), t["config"]
-        assert t["matmul"] is False and t["num_stages"] == K.NUM_STAGES
-    names = {(t["kernel"], t["config"]) for t in targets}
-    assert len(names) == len(targets), "duplicate configuration names"
+    assert_compile_targets_well_formed(targets, K.NUM_STAGES)
     covered = {(t["kernel"], t["constexprs"]["BLOCK_N"], t["constexprs"].get("BLOCK_M", 1), t["num_warps"],
                 t["signature"].get("X", t["signature"].get("H"))) for t in targets}
     for N in [1, 7, 64, 65, 1000, 1023, 4096, 4097, 8193, 16384, 16385, 65537]:
