@@ -8,7 +8,6 @@ The CUDA kernels run the same checks under ``pytest -m gpu``.
 """
 
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ import fasttrans
 from fasttrans import backends, reference
 from fasttrans import functional as ftf
 
-from helpers import assert_close_lowp, make_bool_mask, make_float_mask
+from helpers import assert_close_lowp, attention_keep, make_bool_mask, make_float_mask, philox4x32_10
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -117,14 +116,16 @@ MASK_KINDS = [
     "none", "bool", "float", "float_bcast", "key_lengths", "causal", "causal_bottom_right", "causal_negative",
     "key_lengths+causal", "bool+key_lengths+causal_bottom_right", "float+key_lengths+causal_negative",
 ]
-# (B, H, Hkv, Lq, Lk, D): length 1, primes near block edges (the CPU tiles are 64 x 128 / 64 x 64),
-# grouped-query heads, head dims from 8 to 256
+# (B, H, Hkv, Lq, Lk, D): length 1, primes near block edges (the CPU tiles are 64 x 128 / 64 x 64,
+# and a sequence of up to 96 is one tile: 96 x 91 is the largest single tile), grouped-query
+# heads, head dims from 8 to 256
 SHAPES = [
     (1, 1, 1, 1, 1, 8),
     (2, 4, 2, 17, 97, 40),
     (2, 2, 1, 97, 17, 64),
     (1, 3, 3, 65, 130, 24),
     (2, 2, 2, 33, 70, 128),
+    (1, 2, 1, 96, 91, 32),
 ]
 
 
@@ -270,43 +271,24 @@ def test_backward_is_deterministic(ext, schedule):
 # ---------------------------------------------------------------------------------------
 # dropout: the keep-mask hook, its definition and its statistics
 # ---------------------------------------------------------------------------------------
-def _philox4x32_10(ctr, key):
-    """Philox4x32-10 in numpy (uint64 arithmetic): the specification the kernels follow."""
-    c = [np.uint64(x) for x in ctr]
-    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
-    m0, m1, w0, w1, mask = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57), np.uint64(0x9E3779B9), np.uint64(
-        0xBB67AE85), np.uint64(0xFFFFFFFF)
-    for _ in range(10):
-        p0, p1 = m0 * c[0], m1 * c[2]
-        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]
-        k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
-    return [int(x) for x in c]
-
-
 def test_philox_known_answers():
-    # Random123's known-answer vectors for philox4x32_10
-    assert _philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
-    assert _philox4x32_10([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    # Random123's known-answer vectors for philox4x32_10 (the oracle of the tests below)
+    assert philox4x32_10([0, 0, 0, 0], 0).tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert philox4x32_10([0xFFFFFFFF] * 4, 2**64 - 1).tolist() == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
 
 
+# Lk = 11: inside the first 64-key group of the row generator; 150: two full groups and a tail
+@pytest.mark.parametrize("Lk", [11, 150])
 @pytest.mark.parametrize("device", DEVICES)
-def test_dropout_mask_follows_its_definition(ext, device):
+def test_dropout_mask_follows_its_definition(ext, device, Lk):
     """keep(b, h, i, j) = (philox((j//4, i, h, b), seed)[j%4] >> 8) >= round(p 2^24)."""
     _device_ok(device)
     impl = backends.BACKENDS["extension"].impl()
-    q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, 11, 8, device=device)
+    q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, Lk, 8, device=device)
     p, seed = 0.3, (7 << 32) + 12345
     keep = impl.attention_dropout_mask(q, k, p, seed).cpu()
-    assert keep.dtype == torch.bool and keep.shape == (2, 3, 5, 11)
-    threshold = int(p * 2 ** 24 + 0.5)
-    expect = torch.zeros_like(keep)
-    for b in range(2):
-        for h in range(3):
-            for i in range(5):
-                for j in range(11):
-                    w = _philox4x32_10([j // 4, i, h, b], [seed & 0xFFFFFFFF, seed >> 32])[j % 4]
-                    expect[b, h, i, j] = (w >> 8) >= threshold
-    assert torch.equal(keep, expect)
+    assert keep.dtype == torch.bool and keep.shape == (2, 3, 5, Lk)
+    assert torch.equal(keep, attention_keep(seed, p, 2, 3, 5, Lk))
 
 
 def test_dropout_keep_fraction_and_independence(ext):
