@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "philox.h"
+#include "philox_cpu.h"
 
 namespace fasttrans::cpu {
 
@@ -275,16 +276,20 @@ inline Dropout make_dropout(double p, int64_t seed) {
   return d;
 }
 
-// out[c] = keep(b, h, i, j0 + c) ? 1 : 0
+// out[c] = keep(b, h, i, j0 + c) ? 1 : 0. The row is generated 64 keys (16 counters) at a
+// time from the group of four that holds j0; bits before j0 are shifted out.
 template <typename T>
 inline void dropout_keep_row(const Dropout& d, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
-  int64_t j = j0;
   const int64_t end = j0 + n;
-  while (j < end) {
-    const Philox4 r = dropout_words(d.seed, b, h, i, j >> 2);
-    for (int64_t t = j & 3; t < 4 && j < end; ++t, ++j) {
-      out[j - j0] = dropout_keep_word(r.w[t], d.threshold) ? T(1) : T(0);
-    }
+  for (int64_t j = j0; j < end;) {
+    const int64_t g = j >> 2;
+    const int64_t skip = j - 4 * g;  // 0..3 keys of the first group lie before j
+    const int64_t count = std::min<int64_t>(64 - skip, end - j);
+    const uint64_t bits = keep_bits16(static_cast<uint32_t>(g), static_cast<uint32_t>(i), static_cast<uint32_t>(h),
+                                      static_cast<uint32_t>(b), d.seed, d.threshold) >> skip;
+    T* o = out + (j - j0);
+    for (int64_t c = 0; c < count; ++c) o[c] = ((bits >> c) & 1u) ? T(1) : T(0);
+    j += count;
   }
 }
 

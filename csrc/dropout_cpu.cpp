@@ -6,10 +6,9 @@
 // (a product, not a select: a dropped inf or NaN gives NaN, as torch's dropout does)
 //
 // The elements of the contiguous tensor are processed in blocks of 64: one block is 16
-// Philox counters (four words each), which AVX-512 evaluates in the 16 lanes of a register,
-// so the random numbers cost a handful of vector instructions per element instead of the
-// ~25 scalar ones of a counter-at-a-time loop. The block's keep decisions become one 64-bit
-// mask that drives masked multiplies and the keep-byte store. The mask depends only on
+// Philox counters (four words each), evaluated at once by keep_bits16 (philox_cpu.h). The
+// block's keep decisions become one 64-bit mask that drives masked multiplies and the
+// keep-byte store. The mask depends only on
 // (seed, element index): the same bits on any thread count, and the same bits as the CUDA
 // kernel (dropout_cuda.cu), which evaluates the same counters.
 #include <ATen/Dispatch.h>
@@ -21,6 +20,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "philox_cpu.h"
 
 namespace fasttrans::cpu {
 namespace {
@@ -28,69 +28,21 @@ namespace {
 constexpr int64_t kBlock = 64;           // elements per block: 16 counters x 4 words
 constexpr int64_t kGrainBlocks = 1024;   // blocks per parallel task (64K elements)
 
-// Bit e of the result is keep(64 * blk + e), for one block of 64 elements.
-uint64_t keep_bits_scalar(uint64_t seed, uint32_t threshold, uint64_t blk) {
+// Bit e of the result is keep(64 * blk + e), for one block of 64 elements: counters
+// 16 blk .. 16 blk + 15, whose 64-bit index is split over the first two counter words.
+inline uint64_t keep_bits(uint64_t seed, uint32_t threshold, uint64_t blk) {
+  const uint64_t g0 = blk * 16;
+  // keep_bits16 steps the first word only: a block that straddles a multiple of 2^32
+  // counters (the high word changes inside it) takes its counters one at a time
+  if ((g0 >> 32) == ((g0 + 15) >> 32)) {
+    return keep_bits16(static_cast<uint32_t>(g0), static_cast<uint32_t>(g0 >> 32), 0u, kFlatDomain, seed, threshold);
+  }
   uint64_t bits = 0;
   for (int l = 0; l < 16; ++l) {
-    const Philox4 r = flat_dropout_words(seed, blk * 16 + l);
-    for (int j = 0; j < 4; ++j) {
-      bits |= static_cast<uint64_t>(dropout_keep_word(r.w[j], threshold)) << (4 * l + j);
-    }
+    const Philox4 r = flat_dropout_words(seed, g0 + l);
+    for (int t = 0; t < 4; ++t) bits |= static_cast<uint64_t>(dropout_keep_word(r.w[t], threshold)) << (4 * l + t);
   }
   return bits;
-}
-
-#if defined(CPU_CAPABILITY_AVX512)
-// 32 x 32 -> 64-bit products of the 16 lanes of a with k: the high words (returned) and the
-// low words (*lo). vpmuludq multiplies the even lanes; the odd lanes are shifted down first.
-inline __m512i mulhilo(__m512i a, __m512i k, __m512i* lo) {
-  const __m512i even = _mm512_mul_epu32(a, k);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), k);
-  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
-}
-
-// keep_bits_scalar for 16 counters at once (lane l evaluates counter 16 * blk + l).
-// The counters' high word must be the same for all 16 lanes (the caller checks).
-uint64_t keep_bits_avx512(uint64_t seed, uint32_t threshold, uint64_t blk) {
-  const uint64_t g0 = blk * 16;
-  __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0))),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i c1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0 >> 32)));
-  __m512i c2 = _mm512_setzero_si512();
-  __m512i c3 = _mm512_set1_epi32(static_cast<int>(kFlatDomain));
-  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
-  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    __m512i lo0, lo1;
-    const __m512i hi0 = mulhilo(c0, m0, &lo0);
-    const __m512i hi1 = mulhilo(c2, m1, &lo1);
-    c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
-    c1 = lo1;
-    c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  // word j of lane l decides element 4l + j: spread each 16-bit mask over every 4th bit
-  const __m512i thr = _mm512_set1_epi32(static_cast<int>(threshold));
-  const uint64_t w0 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c0, 8), thr);
-  const uint64_t w1 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c1, 8), thr);
-  const uint64_t w2 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c2, 8), thr);
-  const uint64_t w3 = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(c3, 8), thr);
-  constexpr uint64_t kEvery4th = 0x1111111111111111ull;
-  return _pdep_u64(w0, kEvery4th) | _pdep_u64(w1, kEvery4th << 1) | _pdep_u64(w2, kEvery4th << 2) |
-         _pdep_u64(w3, kEvery4th << 3);
-}
-#endif
-
-inline uint64_t keep_bits(uint64_t seed, uint32_t threshold, uint64_t blk) {
-#if defined(CPU_CAPABILITY_AVX512)
-  // the 16 counters share their high word unless the block straddles a multiple of 2^32
-  if (((blk * 16) >> 32) == ((blk * 16 + 15) >> 32)) return keep_bits_avx512(seed, threshold, blk);
-#endif
-  return keep_bits_scalar(seed, threshold, blk);
 }
 
 // out[e] = keep bit e ? in[e] * scale : 0 for the n <= 64 elements of one block, and the keep

@@ -74,18 +74,33 @@ def dropout_expected(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Ten
     return (x.to(acc) * (keep.to(acc) * dropout_scale(p, x.dtype))).to(x.dtype)
 
 
-def philox_words(seed: int, g: np.ndarray) -> np.ndarray:
-    """(len(g), 4) uint32 words of flat_dropout_words(seed, g) (csrc/philox.h), in numpy."""
+def philox4x32_10(counter, seed: int) -> np.ndarray:
+    """Philox4x32-10 (csrc/philox.h) in numpy: counter is four uint32 words or arrays of them
+    (broadcast together), the key is (seed mod 2^32, seed div 2^32). Returns (..., 4) words."""
     m32 = np.uint64(0xFFFFFFFF)
-    g = np.asarray(g, dtype=np.uint64)
-    c0, c1 = g & m32, g >> np.uint64(32)
-    c2, c3 = np.zeros_like(g), np.full_like(g, FLAT_DOMAIN)
+    c0, c1, c2, c3 = np.broadcast_arrays(*(np.asarray(c, dtype=np.uint64) for c in counter))
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
     for _ in range(10):
         p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # exact: 32 x 32 bits
         c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m32
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
     return np.stack([c0, c1, c2, c3], axis=-1)
+
+
+def philox_words(seed: int, g: np.ndarray) -> np.ndarray:
+    """(len(g), 4) uint32 words of flat_dropout_words(seed, g) (csrc/philox.h), in numpy."""
+    g = np.asarray(g, dtype=np.uint64)
+    return philox4x32_10((g & np.uint64(0xFFFFFFFF), g >> np.uint64(32), 0, FLAT_DOMAIN), seed)
+
+
+def attention_keep(seed: int, p: float, B: int, H: int, Lq: int, Lk: int) -> torch.Tensor:
+    """The attention dropout mask (csrc/philox.h): keep(b, h, i, j) is word j % 4 of the
+    counter (j // 4, i, h, b), compared as (word >> 8) >= round(p * 2**24). (B, H, Lq, Lk) bool."""
+    threshold = min(int(p * 2**24 + 0.5), 2**24)
+    b, h, i, j = np.meshgrid(*(np.arange(n, dtype=np.uint64) for n in (B, H, Lq, Lk)), indexing="ij")
+    words = philox4x32_10((j >> np.uint64(2), i, h, b), seed)
+    word = np.take_along_axis(words, (j & np.uint64(3)).astype(np.int64)[..., None], axis=-1)[..., 0]
+    return torch.from_numpy((word >> np.uint64(8)) >= threshold)
 
 
 def philox_keep(seed: int, p: float, numel: int, start: int = 0) -> torch.Tensor:
