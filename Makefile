@@ -40,11 +40,13 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_attention.py
 	$(PYTHON) benchmarks/bench_layernorm.py
+	$(PYTHON) benchmarks/bench_dropout.py
 	$(PYTHON) benchmarks/bench_model.py
 
 bench-quick: $(STAMP)
 	$(PYTHON) benchmarks/bench_attention.py --quick
 	$(PYTHON) benchmarks/bench_layernorm.py --quick
+	$(PYTHON) benchmarks/bench_dropout.py --quick
 	$(PYTHON) benchmarks/bench_model.py --quick
 
 compile-check: $(STAMP)

@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is a directory of scripts, not an 
 
 from benchmarks import common  # noqa: E402
 
-SCRIPTS = {"attention": "bench_attention.py", "layernorm": "bench_layernorm.py", "model": "bench_model.py"}
+SCRIPTS = {"attention": "bench_attention.py", "layernorm": "bench_layernorm.py", "dropout": "bench_dropout.py",
+           "model": "bench_model.py"}
 NUMERIC = ("median_ms", "q20_ms", "q80_ms", "samples", "throughput", "speedup_vs_torch", "peak_mem_bytes",
            "mem_vs_torch")
 
@@ -167,7 +168,7 @@ def _listed(capsys, module, *argv) -> list[str]:
 
 
 def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
-    from benchmarks import bench_attention, bench_layernorm, bench_model
+    from benchmarks import bench_attention, bench_dropout, bench_layernorm, bench_model
 
     lines = _listed(capsys, bench_attention)
     for mask in ("key_padding", "causal"):
@@ -187,6 +188,14 @@ def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
     assert any(line.endswith("] layer_norm fwd float32 M=4096 N=1024") for line in lines)
     assert any(line.endswith("] add_layer_norm fwd+bwd float32 M=4096 N=1024") for line in lines)
 
+    lines = _listed(capsys, bench_dropout)
+    for mode in ("fwd", "fwd+bwd"):  # the FFN hidden activation of the training step: 64 x 91 tokens, FFN 512
+        goal = f"] dropout {mode} float32 M=5824 N=512 elements=2981888 p=0.1"
+        assert any(line.startswith("[dropout headline") and line.endswith(goal) for line in lines), goal
+    sweep = [line for line in lines if line.startswith("[dropout sweep]")]
+    assert {int(line.split("elements=")[1].split()[0]) for line in sweep} == {4**k for k in range(8, 13)}
+    assert all(" N=1024 " in line for line in sweep), sweep
+
     lines = _listed(capsys, bench_model)
     assert any(line.startswith("[model headline") and line.endswith(
         "] seq2seq train step float32 model=digits d_model=256 heads=4 layers=3+3 ffn=512 batch=64 src=91 tgt=9")
@@ -194,7 +203,7 @@ def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
 
 
 def test_filters_select_configurations_in_every_sweep(capsys):
-    from benchmarks import bench_attention, bench_layernorm
+    from benchmarks import bench_attention, bench_dropout, bench_layernorm
 
     lines = _listed(capsys, bench_attention, "--mask", "causal", "--mode", "fwd", "--seq-len", "256,1024")
     assert lines
@@ -204,6 +213,19 @@ def test_filters_select_configurations_in_every_sweep(capsys):
     assert lines and all("] rms_norm " in line and line.endswith("N=4096") for line in lines), lines
     with pytest.raises(SystemExit, match="--op"):
         bench_layernorm.main(["--list", "--op", "layernorm"])
+    lines = _listed(capsys, bench_dropout, "--mode", "fwd", "--p", "0.3")
+    assert lines and all("] dropout fwd float32" in line and line.endswith("p=0.3") for line in lines), lines
+    with pytest.raises(SystemExit):
+        bench_dropout.main(["--list", "--p", "1.5"])
+
+
+def test_dropout_bytes_count_x_y_and_the_one_byte_mask():
+    from benchmarks import bench_dropout
+
+    n = 64 * 1024
+    assert bench_dropout.dropout_bytes(64, 1024, torch.float32, "fwd") == 2 * n * 4 + n
+    assert bench_dropout.dropout_bytes(64, 1024, torch.float32, "fwd+bwd") == 4 * n * 4 + 2 * n
+    assert bench_dropout.dropout_bytes(64, 1024, torch.float16, "fwd+bwd") == 4 * n * 2 + 2 * n
 
 
 def test_device_slug_is_a_file_name():
