@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 WORLD = 2
+SPAWN_TIMEOUT_S = 300  # a hung rendezvous or teardown fails the test instead of the whole run
 GLOBAL_BATCH = 6
 TINY = dict(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=24, dropout=0.0)
 
@@ -45,6 +47,7 @@ def _grads_on_shard(rank: int, port: int, out_dir: str) -> None:
         loss = train.compute_loss(ddp, train.shard(src, rank, WORLD), train.shard(tgt, rank, WORLD), config)
         loss.backward()
         torch.save({n: p.grad for n, p in model.named_parameters()}, os.path.join(out_dir, f"grads{rank}.pt"))
+        dist.barrier()  # both ranks are done with the group before either tears it down
     finally:
         dist.destroy_process_group()
 
@@ -85,7 +88,14 @@ def _single_grads(rows: slice | None = None) -> dict[str, torch.Tensor]:
 def two_process_results(tmp_path_factory):
     """Both two-process experiments in one spawn (starting processes is the slow part)."""
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=((_free_port(), _free_port()), str(out)), nprocs=WORLD, join=True)
+    ctx = mp.start_processes(_worker, args=((_free_port(), _free_port()), str(out)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=5):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {WORLD} gloo processes did not finish within {SPAWN_TIMEOUT_S} s")
     return out
 
 
