@@ -456,6 +456,12 @@ def _make_python_ops(name: str):
         return backend.impl().dropout_bwd(dy, keep, p)
 
 
+def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its innermost stride is 1 (every kernel takes the other strides as they
+    are), else a contiguous copy: an expanded gradient (stride 0) or a column-major view."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 def _register_fake_and_autograd(name: str) -> None:
     """Fake implementations and autograd formulas for one backend's four ops."""
     ns = torch.ops.fasttrans
@@ -513,9 +519,10 @@ def _register_fake_and_autograd(name: str) -> None:
     def attention_backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
-        # gradients often arrive expanded (stride 0) or transposed: the kernels get a dense copy
+        # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
+        # expanded (stride 0): only a non-unit innermost stride costs a copy
         dq, dk, dv, dmask = attention_bwd_op(
-            dout.contiguous(), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+            last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
             dropout_p, scale, seed, ctx.mask_grad,
         )
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
@@ -536,8 +543,8 @@ def _register_fake_and_autograd(name: str) -> None:
         h, weight, bias, mean, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(h)
-        dh = dh.contiguous() if (ctx.has_residual and dh is not None) else None
-        dx, dw, db = norm_bwd_op(dy.contiguous(), dh, h, weight, bias, mean, rstd, ctx.rms)
+        dh = last_dim_unit_stride(dh) if (ctx.has_residual and dh is not None) else None
+        dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
         dw = dw if weight is not None else None
         db = db if bias is not None else None
         return dx, (dx if ctx.has_residual else None), dw, db, None, None

@@ -67,11 +67,6 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise DeviceError(f"{name}: expected a tensor on {device} (the device of the input), got {t.device}")
 
 
-def _last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
-    # kernels accept any strides as long as the innermost one is 1; anything else gets a copy here
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 @torch.compiler.assume_constant_result
 def _selected_backend(op: str, device: str) -> str:
     # Selection reads a context variable, the environment and the file system: under
@@ -156,7 +151,7 @@ def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
     """Canonical operands for the backend interface (see fasttrans.backends)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    q, k, v = (_last_dim_unit_stride(t) for t in (q, k, v))
+    q, k, v = (backends.last_dim_unit_stride(t) for t in (q, k, v))
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in (q.dtype, torch.float32):
             attn_mask = attn_mask.to(q.dtype)
@@ -292,7 +287,7 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """(M, N) view of t (a copy only when the trailing dims cannot be flattened)."""
-    return _last_dim_unit_stride(t.reshape(-1, n))
+    return backends.last_dim_unit_stride(t.reshape(-1, n))
 
 
 def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ import fasttrans
 from fasttrans import backends, functional, reference
 from fasttrans.functional import DeviceError, DTypeError, ShapeError
 
+from conftest import backend_params
 from helpers import make_float_mask
 
 
@@ -101,6 +102,48 @@ def test_strided_inputs_and_broadcast_masks():
     out = fasttrans.attention(q, k, v, attn_mask=mask)
     ref = reference.attention(q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=mask.expand(2, 4, 7, 7))
     torch.testing.assert_close(out, ref)
+
+
+def _grads_for(outputs, inputs, grads):
+    return torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+
+
+def _strided_grads(shape):
+    """Output gradients as they arrive from autograd, none of them contiguous: a view with
+    unit last stride (read in place), one transposed to a non-unit last stride and one
+    expanded from a scalar (both copied)."""
+    *lead, n = shape
+    return {
+        "view": torch.randn(*lead, 2 * n)[..., :n],
+        "transposed": torch.randn(*reversed(shape)).permute(*reversed(range(len(shape)))),
+        "expanded": torch.randn(()).expand(shape),
+    }
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_attention_backward_takes_strided_gradients(backend):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with fasttrans.use_backend(backend):
+        out = fasttrans.attention(q, k, v, is_causal=True)
+        for name, g in _strided_grads(out.shape).items():
+            assert not g.is_contiguous(), name
+            got, want = _grads_for(out, (q, k, v), g), _grads_for(out, (q, k, v), g.contiguous())
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", backend_params("norm"))
+def test_norm_backward_takes_strided_gradients(backend):
+    x, r = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8, requires_grad=True)
+    w, b = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    with fasttrans.use_backend(backend):
+        y, h = fasttrans.add_layer_norm(x, r, w, b)
+        for name, g in _strided_grads(y.shape).items():
+            for outputs, grads in (((y,), (g,)), ((y, h), (g, g))):  # with and without dh
+                got = _grads_for(outputs, (x, r, w, b), grads)
+                want = _grads_for(outputs, (x, r, w, b), tuple(t.contiguous() for t in grads))
+                for a, c in zip(got, want):
+                    torch.testing.assert_close(a, c, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_key_lengths_any_integer_dtype_and_mask_dtypes():
