@@ -1,9 +1,13 @@
-"""Shared test utilities: the low-precision error rule, mask factories and the dropout oracle."""
+"""Shared test utilities: the low-precision error rule, mask factories, the extension's device
+check, one call of each norm op, and the dropout oracle."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+
+from fasttrans import backends
 
 # Per-dtype floor added to the 2x rule: absolute error a correct kernel may always have.
 FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -54,6 +58,27 @@ def assert_compile_targets_well_formed(targets: list[dict], num_stages: int) -> 
         assert all(t["signature"][k] == "constexpr" for k in t["constexprs"]), t["config"]
         assert t["matmul"] is False and t["num_stages"] == num_stages
     assert len({(t["kernel"], t["config"]) for t in targets}) == len(targets), "duplicate configuration names"
+
+
+def require_extension(device: str, op: str) -> None:
+    """Skip when the device is CUDA and none is present; fail when the extension cannot run
+    ``op`` on ``device`` (a broken build must not pass as a skip)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = backends.BACKENDS["extension"].unavailable_reason(device, op)
+    if why is not None:
+        pytest.fail(f"extension unavailable on {device}: {why}")
+
+
+def norm_call(op: str, module, x, r, w, b, eps: float) -> tuple:
+    """The outputs of one norm op as ``module`` computes it: ``fasttrans`` (whatever backend
+    is in force) or ``fasttrans.reference``, which share the functional signatures."""
+    N = x.shape[-1]
+    if op == "layer_norm":
+        return (module.layer_norm(x, (N,), w, b, eps),)
+    if op == "add_layer_norm":
+        return module.add_layer_norm(x, r, w, b, eps)
+    return (module.rms_norm(x, (N,), w, eps),)
 
 
 # --------------------------------------------------------------------------------------

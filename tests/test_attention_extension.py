@@ -15,7 +15,8 @@ import fasttrans
 from fasttrans import backends, reference
 from fasttrans import functional as ftf
 
-from helpers import assert_close_lowp, attention_keep, make_bool_mask, make_float_mask, philox4x32_10
+from helpers import (assert_close_lowp, attention_keep, make_bool_mask, make_float_mask, philox4x32_10,
+                     require_extension)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -25,14 +26,6 @@ def schedule(request, monkeypatch):
     """The CPU backward schedule (fused / split), read by the kernel at every call."""
     monkeypatch.setenv("FASTTRANS_CPU_ATTENTION_BWD", request.param)
     return request.param
-
-
-def _device_ok(device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    why = backends.BACKENDS["extension"].unavailable_reason(device, "attention")
-    if why is not None:
-        pytest.fail(f"extension unavailable on {device}: {why}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,7 +126,7 @@ SHAPES = [
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_reference_fp32(ext, device, kind, shape):
-    _device_ok(device)
+    require_extension(device, "attention")
     B, H, Hkv, Lq, Lk, D = shape
     q, k, v = _qkv(*shape, torch.float32, device)
     _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True))
@@ -151,7 +144,7 @@ LOWP_CASES = [
 @pytest.mark.parametrize("kind,shape", LOWP_CASES, ids=[c[0] for c in LOWP_CASES])
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_reference_low_precision(ext, device, kind, shape, dtype):
-    _device_ok(device)
+    require_extension(device, "attention")
     B, H, Hkv, Lq, Lk, D = shape
     q, k, v = _qkv(*shape, dtype, device)
     _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, device, dtype, zero_length=True))
@@ -160,7 +153,7 @@ def test_matches_reference_low_precision(ext, device, kind, shape, dtype):
 @pytest.mark.parametrize("D", [8, 40, 64, 128, 256])
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_dims(ext, device, D):
-    _device_ok(device)
+    require_extension(device, "attention")
     q, k, v = _qkv(2, 2, 1, 19, 67, D, torch.float32, device)
     _check_against_reference(q, k, v, _masks("float+key_lengths+causal_bottom_right", 2, 2, 19, 67, device,
                                                torch.float32))
@@ -168,7 +161,7 @@ def test_head_dims(ext, device, D):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp64_matches_reference(ext, device):
-    _device_ok(device)
+    require_extension(device, "attention")
     if device == "cuda":
         pytest.skip("fp64 is a CPU-extension dtype (gradcheck)")
     q, k, v = _qkv(2, 4, 2, 23, 41, 16, torch.float64)
@@ -181,7 +174,7 @@ def test_fp64_matches_reference(ext, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_masks(ext, device):
     """q/k/v as (B, L, H, D) transposes and a mask stored key-major are read in place."""
-    _device_ok(device)
+    require_extension(device, "attention")
     B, H, Lq, Lk, D = 2, 3, 29, 45, 32
     q = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)
     k = torch.randn(B, Lk, H, D, device=device).transpose(1, 2)
@@ -193,7 +186,7 @@ def test_strided_inputs_and_masks(ext, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fully_masked_rows_are_zero_with_zero_gradients(ext, device):
-    _device_ok(device)
+    require_extension(device, "attention")
     B, H, Lq, Lk, D = 3, 2, 70, 90, 16
     q, k, v = _qkv(B, H, H, Lq, Lk, D, torch.float32, device)
     mask = make_bool_mask((B, H, Lq, Lk), device)
@@ -216,7 +209,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients(ext, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_key_length_everywhere(ext, device):
-    _device_ok(device)
+    require_extension(device, "attention")
     q, k, v = _qkv(2, 2, 2, 5, 9, 8, torch.float32, device)
     _check_against_reference(q, k, v, dict(key_lengths=torch.zeros(2, dtype=torch.long, device=device)))
 
@@ -224,7 +217,7 @@ def test_zero_key_length_everywhere(ext, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decoding_step(ext, device):
     """One query against a long cache: bottom-right causal alignment, ragged lengths."""
-    _device_ok(device)
+    require_extension(device, "attention")
     q, k, v = _qkv(3, 4, 2, 1, 200, 64, torch.float32, device)
     _check_against_reference(q, k, v, dict(is_causal=True, causal_offset=199,
                                            key_lengths=torch.tensor([200, 77, 1], device=device)))
@@ -282,7 +275,7 @@ def test_philox_known_answers():
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_mask_follows_its_definition(ext, device, Lk):
     """keep(b, h, i, j) = (philox((j//4, i, h, b), seed)[j%4] >> 8) >= round(p 2^24)."""
-    _device_ok(device)
+    require_extension(device, "attention")
     impl = backends.BACKENDS["extension"].impl()
     q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, Lk, 8, device=device)
     p, seed = 0.3, (7 << 32) + 12345
@@ -307,7 +300,7 @@ def test_dropout_keep_fraction_and_independence(ext):
 @pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_matches_reference_with_the_hook_mask(ext, device, schedule):
-    _device_ok(device)
+    require_extension(device, "attention")
     B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 70, 90, 32, 0.25
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
     kw = dict(key_lengths=torch.tensor([90, 40], device=device), is_causal=True, causal_offset=20,

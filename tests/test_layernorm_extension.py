@@ -17,38 +17,20 @@ import pytest
 import torch
 
 import fasttrans
-from fasttrans import backends, extension, reference
+from fasttrans import extension, reference
 
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, norm_call, require_extension
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _device_ok(device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    why = backends.BACKENDS["extension"].unavailable_reason(device, "norm")
-    if why is not None:
-        pytest.fail(f"extension unavailable on {device}: {why}")
 
 
 # ---------------------------------------------------------------------------------------
 # forward and every gradient against the reference
 # ---------------------------------------------------------------------------------------
-def _norm_call(kind, module, x, r, w, b, eps):
-    """(outputs...) of one norm op from ``module`` (fasttrans or fasttrans.reference)."""
-    N = x.shape[-1]
-    if kind == "layer_norm":
-        return (module.layer_norm(x, (N,), w, b, eps),)
-    if kind == "add_layer_norm":
-        return module.add_layer_norm(x, r, w, b, eps)
-    return (module.rms_norm(x, (N,), w, eps),)
-
-
 def _run(kind, module, x, r, w, b, eps, grads_out):
     leaves = {n: t.detach().clone().requires_grad_() for n, t in (("x", x), ("r", r), ("w", w), ("b", b))
               if t is not None}
-    outs = _norm_call(kind, module, leaves["x"], leaves.get("r"), leaves.get("w"), leaves.get("b"), eps)
+    outs = norm_call(kind, module, leaves["x"], leaves.get("r"), leaves.get("w"), leaves.get("b"), eps)
     torch.autograd.backward(outs, grads_out[: len(outs)])
     return [o.detach() for o in outs] + [leaves[n].grad for n in ("x", "r", "w", "b") if n in leaves]
 
@@ -118,7 +100,7 @@ WIDTHS = [1, 7, 256, 1023, 1025, 4100]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_reference_fp32(ext, device, kind, N):
-    _device_ok(device)
+    require_extension(device, "norm")
     M = 37
     x = torch.randn(M, N, device=device) * 3 + 1
     r = torch.randn(M, N, device=device) if kind == "add_layer_norm" else None
@@ -130,7 +112,7 @@ def test_matches_reference_fp32(ext, device, kind, N):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_reference_other_dtypes(ext, device, kind, dtype):
-    _device_ok(device)
+    require_extension(device, "norm")
     M, N = 70, 515
     x = torch.randn(M, N, device=device, dtype=dtype)
     r = torch.randn(M, N, device=device, dtype=dtype) if kind == "add_layer_norm" else None
@@ -141,7 +123,7 @@ def test_matches_reference_other_dtypes(ext, device, kind, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp32_parameters_with_bf16_input(ext, device):
     """Mixed precision: fp32 weight/bias with bf16 activations, gradients in fp32."""
-    _device_ok(device)
+    require_extension(device, "norm")
     x, r = torch.randn(33, 300, device=device, dtype=torch.bfloat16), torch.randn(33, 300, device=device,
                                                                                   dtype=torch.bfloat16)
     w, b = torch.randn(300, device=device), torch.randn(300, device=device)
@@ -163,7 +145,7 @@ def test_without_weight_or_bias(ext, kind, affine):
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_rows_and_leading_dims(ext, device):
     """Rows with stride(0) > N (a slice of a wider buffer) and 3-D inputs, without copies."""
-    _device_ok(device)
+    require_extension(device, "norm")
     base_x, base_r = torch.randn(3, 7, 300, device=device), torch.randn(3, 7, 400, device=device)
     x, r = base_x[..., 20:276], base_r[..., 100:356]
     assert not x.is_contiguous() and x.stride(-1) == 1
@@ -191,7 +173,7 @@ def test_large_outputs(ext, dtype, N, kind):
 @pytest.mark.parametrize("device", DEVICES)
 def test_large_mean_rows_keep_their_variance(ext, device):
     """Rows of 1e4 + small noise: E[x^2] - E[x]^2 would cancel to garbage in fp32."""
-    _device_ok(device)
+    require_extension(device, "norm")
     x = (1e4 + 1e-2 * torch.randn(16, 1000, dtype=torch.float64, device=device))
     xf = x.float()
     with fasttrans.use_backend("extension"):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import fasttrans
 from fasttrans import backends, reference
 
-from helpers import assert_close_lowp, assert_compile_targets_well_formed
+from helpers import assert_close_lowp, assert_compile_targets_well_formed, norm_call
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _why = backends.BACKENDS["triton"].unavailable_reason(DEVICE, "norm")
@@ -35,22 +35,12 @@ EPS = 1e-5
 # running one op three ways: the Triton backend, the reference, PyTorch itself
 # ---------------------------------------------------------------------------------------
 def _triton(op, x, r, w, b):
-    N = x.shape[-1]
     with fasttrans.use_backend("triton"):
-        if op == "layer_norm":
-            return (fasttrans.layer_norm(x, (N,), w, b, EPS),)
-        if op == "add_layer_norm":
-            return fasttrans.add_layer_norm(x, r, w, b, EPS)
-        return (fasttrans.rms_norm(x, (N,), w, EPS),)
+        return norm_call(op, fasttrans, x, r, w, b, EPS)
 
 
 def _reference(op, x, r, w, b):
-    N = x.shape[-1]
-    if op == "layer_norm":
-        return (reference.layer_norm(x, (N,), w, b, EPS),)
-    if op == "add_layer_norm":
-        return reference.add_layer_norm(x, r, w, b, EPS)
-    return (reference.rms_norm(x, (N,), w, EPS),)
+    return norm_call(op, reference, x, r, w, b, EPS)
 
 
 def _torch(op, x, r, w, b):
