@@ -22,6 +22,17 @@ def _perturb(module: torch.nn.Module) -> None:
             p.copy_(torch.randn_like(p))
 
 
+def _assert_state_dict_round_trip(t, f, make_torch_twin) -> None:
+    """f loads torch module t's (perturbed) state_dict strictly, and a fresh torch module
+    loads f's back with every tensor unchanged."""
+    _perturb(t)
+    f.load_state_dict(t.state_dict(), strict=True)
+    t2 = make_torch_twin()
+    t2.load_state_dict(f.state_dict(), strict=True)
+    for (n, pt), pf in zip(t.state_dict().items(), t2.state_dict().values()):
+        assert torch.equal(pf, pt), n
+
+
 def _check_grads_match(t_mod, f_mod, x, dtype):
     xt = x.clone().requires_grad_()
     xf = x.clone().requires_grad_()
@@ -63,12 +74,7 @@ def test_layer_norm_parameters_and_state_dict(kwargs):
     ]
     for (n, pt), pf in zip(t.state_dict().items(), f.state_dict().values()):
         assert torch.equal(pf, pt), n
-    _perturb(t)
-    f.load_state_dict(t.state_dict(), strict=True)
-    t2 = torch.nn.LayerNorm(16, **kwargs, dtype=torch.float64)
-    t2.load_state_dict(f.state_dict(), strict=True)
-    for (n, pt), pf in zip(t.state_dict().items(), t2.state_dict().values()):
-        assert torch.equal(pf, pt), n
+    _assert_state_dict_round_trip(t, f, lambda: torch.nn.LayerNorm(16, **kwargs, dtype=torch.float64))
 
 
 def test_layer_norm_reset_parameters_and_factory_kwargs():
@@ -120,12 +126,7 @@ def test_rms_norm_parameters_and_state_dict(kwargs):
     assert f.normalized_shape == t.normalized_shape and f.eps == t.eps
     assert repr(f) == repr(t)
     assert [(n, p.shape) for n, p in f.named_parameters()] == [(n, p.shape) for n, p in t.named_parameters()]
-    _perturb(t)
-    f.load_state_dict(t.state_dict(), strict=True)
-    t2 = torch.nn.RMSNorm(16, **kwargs, dtype=torch.float64)
-    t2.load_state_dict(f.state_dict(), strict=True)
-    for (n, pt), pf in zip(t.state_dict().items(), t2.state_dict().values()):
-        assert torch.equal(pf, pt), n
+    _assert_state_dict_round_trip(t, f, lambda: torch.nn.RMSNorm(16, **kwargs, dtype=torch.float64))
     f.reset_parameters()
     if f.weight is not None:
         assert torch.equal(f.weight, torch.ones(16, dtype=torch.float64))
