@@ -279,8 +279,7 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
       if (p.mask) {
         for (int64_t r = 0; r < bm; ++r) {
           load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-          T* srow = s.s.data() + r * BN;
-          for (int64_t c = 0; c < bn; ++c) srow[c] += s.row[c];
+          apply_mask_row(p.mask, s.row.data(), s.s.data() + r * BN, bn, 1);
         }
       }
       if (p.crosses_diagonal(i0, j0 + bn - 1)) {
@@ -292,9 +291,15 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 
       for (int64_t r = 0; r < bm; ++r) {
         T* srow = s.s.data() + r * BN;
-        const T m_new = std::max(s.m[r], row_max(srow, bn));
+        const T m_new = nan_max(s.m[r], row_max(srow, bn));
         if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
           std::fill(srow, srow + bn, T(0));
+          continue;
+        }
+        if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
+          std::fill(srow, srow + bn, m_new);
+          s.m[r] = s.l[r] = m_new;
+          scale_row(s.o.data() + r * D, D, m_new);
           continue;
         }
         const T alpha = std::exp(s.m[r] - m_new);  // 0 while the row was empty
@@ -312,7 +317,7 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 
     for (int64_t r = 0; r < bm; ++r) {
       scalar_t* orow = out_rows(b, h, i0 + r);
-      if (s.l[r] > T(0)) {
+      if (!(s.l[r] == T(0))) {  // NaN scores give NaN rows, as in the reference
         store_scaled(s.o.data() + r * D, orow, D, static_cast<T>(p.dropout.inv_keep / s.l[r]));
         lse_row[r] = s.m[r] + std::log(s.l[r]);
       } else {
@@ -366,7 +371,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (p.mask) {
     for (int64_t r = 0; r < bm; ++r) {
       load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-      for (int64_t c = 0; c < bn; ++c) st[c * BM + r] += s.row[c];
+      apply_mask_row(p.mask, s.row.data(), st + r, bn, BM);
     }
   }
   if (p.crosses_diagonal(i0, j0 + bn - 1)) {
@@ -383,6 +388,13 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     int64_t r = 0;
     for (; r + W <= bm; r += W) vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r)).store(row + r);
     if (r < bm) vexp(Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r)).store(row + r, bm - r);
+  }
+  if (std::any_of(lse, lse + bm, [](T v) { return std::isnan(v); })) {  // the rows NaN in forward
+    for (int64_t c = 0; c < bn; ++c) {
+      for (int64_t r = 0; r < bm; ++r) {
+        if (std::isnan(lse[r])) st[c * BM + r] = lse[r];
+      }
+    }
   }
 
   // dropout: Pd^T = P^T * keep / (1 - p)

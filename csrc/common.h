@@ -86,12 +86,19 @@ inline T lane_sum(const Vec<T>& v) {
   return at::vec::vec_reduce_all<T>(std::plus<Vec<T>>(), v);
 }
 
+// max(a, b) that propagates NaN (std::max(a, NaN) is a): a NaN score must reach the output as
+// NaN, as in the reference, rather than leave its row looking fully masked (output 0).
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (a >= b || std::isnan(a)) ? a : b;
+}
+
 template <typename T>
 inline T lane_max(const Vec<T>& v) {
   alignas(64) T tmp[Vec<T>::size()];
   v.store(tmp);
   T m = tmp[0];
-  for (int64_t k = 1; k < Vec<T>::size(); ++k) m = std::max(m, tmp[k]);
+  for (int64_t k = 1; k < Vec<T>::size(); ++k) m = nan_max(m, tmp[k]);
   return m;
 }
 
@@ -105,7 +112,7 @@ inline T row_max(const T* x, int64_t n) {
     for (k = W; k + W <= n; k += W) vm = at::vec::maximum(vm, Vec<T>::loadu(x + k));
     m = lane_max(vm);
   }
-  for (; k < n; ++k) m = std::max(m, x[k]);
+  for (; k < n; ++k) m = nan_max(m, x[k]);
   return m;
 }
 
@@ -254,6 +261,20 @@ inline void load_mask_row(const MaskView& m, int64_t b, int64_t h, int64_t i, in
     case MaskKind::kNone:
       std::fill(out, out + n, T(0));
       break;
+  }
+}
+
+// Applies a row from load_mask_row to scores s[c * stride]: a float mask is added; a bool
+// mask's hidden entries become -inf, replacing the score (as the reference's masked_fill: a
+// NaN score at a hidden position stays hidden instead of turning its row NaN).
+template <typename T>
+inline void apply_mask_row(const MaskView& m, const T* mask_row, T* s, int64_t n, int64_t stride) {
+  if (m.kind == MaskKind::kBool) {
+    for (int64_t c = 0; c < n; ++c) {
+      if (mask_row[c] != T(0)) s[c * stride] = mask_row[c];
+    }
+  } else {
+    for (int64_t c = 0; c < n; ++c) s[c * stride] += mask_row[c];
   }
 }
 

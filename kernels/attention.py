@@ -273,6 +273,13 @@ def _masked_scores(
 # Forward
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _max_propagating_nan(a, b):
+    # tl.max compiles to max.f32, which returns the other operand when one is NaN: a row of NaN
+    # scores would then look fully masked (output 0) instead of NaN, as in the reference
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _attention_fwd_inner(
     acc, l_i, m_i,  # running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
     q,  # (BLOCK_M, BLOCK_D) query tile
@@ -301,7 +308,7 @@ def _attention_fwd_inner(
         s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
                            qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
                            ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
         # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)

@@ -146,6 +146,48 @@ def test_norm_backward_takes_strided_gradients(backend):
                     torch.testing.assert_close(a, c, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_nan_scores_give_nan_rows_as_in_the_reference(backend):
+    # a NaN score must not make its row look fully masked (output 0): the rows whose scores
+    # hold a NaN are NaN, forward and backward, the others are the reference's numbers
+    q, k, v = _qkv(Lq=6, Lk=40)
+    q[0, 1, 2, 0] = float("nan")  # every score of row (0, 1, 2) is NaN
+    mask = torch.zeros(6, 40)
+    mask[4, 33] = float("nan")  # one score of row 4, in the last key tile, in every head
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    with fasttrans.use_backend(backend):
+        out = fasttrans.attention(*inputs, attn_mask=mask)
+        grads = torch.autograd.grad(out.sum(), inputs)
+    want = reference.attention(*inputs, attn_mask=mask)
+    want_grads = torch.autograd.grad(want.sum(), inputs)
+    nan_rows = torch.zeros(2, 4, 6, dtype=torch.bool)
+    nan_rows[0, 1, 2] = nan_rows[:, :, 4] = True
+    assert torch.equal(out.isnan().all(-1), nan_rows) and torch.equal(out.isnan().any(-1), nan_rows)
+    torch.testing.assert_close(out, want, equal_nan=True)
+    assert torch.equal(grads[0].isnan().any(-1), nan_rows)
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a.nan_to_num(0), b.nan_to_num(0))
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_nan_keys_at_hidden_positions_stay_hidden(backend):
+    # as the reference's masked_fill: a key hidden by a bool mask, by key_lengths or by the
+    # causal mask contributes nothing, even when its score is NaN
+    q, k, v = _qkv(Lq=6, Lk=40)
+    k[:, :, 5] = float("nan")  # hidden by the bool mask below
+    k[1, :, 30:] = float("nan")  # past key_lengths[1]
+    k[:, :, 39, 0] = float("nan")  # above the causal diagonal for every row (offset 30)
+    mask = torch.ones(6, 40, dtype=torch.bool)
+    mask[:, 5] = False
+    kl = torch.tensor([40, 30])
+    with fasttrans.use_backend(backend):
+        out = fasttrans.attention(q, k, v, attn_mask=mask, key_lengths=kl, is_causal=True, causal_offset=30)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference.attention(q, k, v, attn_mask=mask, key_lengths=kl, is_causal=True,
+                                                        causal_offset=30))
+
+
 def test_key_lengths_any_integer_dtype_and_mask_dtypes():
     q, k, v = _qkv()
     ref = reference.attention(q, k, v, key_lengths=torch.tensor([3, 7]))
