@@ -174,6 +174,8 @@ def _build(module: str, t: dict, arch: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from fasttrans.kernels import LAUNCH_OPTIONS
+
     cap = ARCHS[arch]
     row = dict(kernel=t["kernel"], config=t["config"], arch=arch, ok=False, registers=None, spills=None,
                shared_bytes=None, tensor_cores=None, error=None)
@@ -183,7 +185,7 @@ def _build(module: str, t: dict, arch: str) -> dict:
         kernel = triton.compile(
             ASTSource(fn=t["fn"], signature=sig, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", cap, 32),
-            options={"num_warps": t["num_warps"], "num_stages": t["num_stages"]},
+            options={"num_warps": t["num_warps"], "num_stages": t["num_stages"], **LAUNCH_OPTIONS},
         )
     except Exception as e:
         row["error"] = f"compilation failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"

@@ -144,17 +144,32 @@ def _host_flags(cxx: str) -> tuple[list[str], str, list[str]]:
     return ["-O3", *arch, *isa, *openmp, *contract], macros, notes
 
 
-def _cuda_plan() -> tuple[bool, str | None]:
-    """(build the CUDA kernels?, why not)."""
+def _cuda_plan() -> tuple[bool, str | None, str]:
+    """(build the CUDA kernels?, why not, the architectures they are built for).
+
+    The architectures are TORCH_CUDA_ARCH_LIST when set, else those of the visible GPUs
+    (what torch's build picks): they are part of the cache key, so that a build for one GPU
+    found in a shared cache is not loaded on another. With no GPU visible and no list, torch's
+    build has no architecture to compile for (it fails on an empty list): the CPU kernels are
+    built alone.
+    """
     if torch.version.cuda is None:
         if torch.version.hip is not None:
-            return False, "ROCm builds of torch are not supported by the CUDA kernels"
-        return False, "torch was built without CUDA"
-    from torch.utils.cpp_extension import CUDA_HOME
+            return False, "ROCm builds of torch are not supported by the CUDA kernels", ""
+        return False, "torch was built without CUDA", ""
+    from torch.utils import cpp_extension
 
-    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return False, "nvcc was not found (set CUDA_HOME to a CUDA toolkit)"
-    return True, None
+    if cpp_extension.CUDA_HOME is None or not (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
+        return False, "nvcc was not found (set CUDA_HOME to a CUDA toolkit)", ""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if archs and archs != "native":
+        return True, None, archs
+    n = torch.cuda.device_count()
+    if n == 0:
+        return False, ("torch has CUDA but no GPU is visible, so there is no architecture to build the CUDA "
+                       "kernels for (set TORCH_CUDA_ARCH_LIST, e.g. '8.0;9.0', to build them anyway)"), ""
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(n)})
+    return True, None, ";".join(f"{major}.{minor}" for major, minor in caps)
 
 
 def _sources(with_cuda: bool) -> list[Path]:
@@ -181,7 +196,7 @@ class _Plan:
         self.cxx, self.cxx_version = _compiler()
         self.cflags, macros, self.notes = _host_flags(self.cxx)
         self.ldflags = ["-fopenmp"] if "-fopenmp" in self.cflags else []
-        self.with_cuda, self.cuda_reason = _cuda_plan()
+        self.with_cuda, self.cuda_reason, self.cuda_archs = _cuda_plan()
         self.cuda_cflags = ["-O3", "-lineinfo"] if self.with_cuda else []
         key = {
             "fasttrans": __version__,
@@ -194,7 +209,7 @@ class _Plan:
             "cflags": self.cflags,
             "macros": hashlib.sha256(macros.encode()).hexdigest(),
             "cuda_cflags": self.cuda_cflags,
-            "cuda_arch": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+            "cuda_arch": self.cuda_archs,
             "sources": _source_hash(self.with_cuda),
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -210,6 +225,7 @@ class _Plan:
             "cuda_cflags": self.cuda_cflags,
             "with_cuda": self.with_cuda,
             "cuda_reason": self.cuda_reason,
+            "cuda_archs": self.cuda_archs,
             "notes": self.notes,
         }
 

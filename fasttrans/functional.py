@@ -111,6 +111,8 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
     if B == 0:
         raise ShapeError(f"q: expected a non-empty batch, got shape {tuple(q.shape)}")
+    if H == 0:
+        raise ShapeError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if Lq == 0:
         raise ShapeError(f"q: expected at least one query position, got shape {tuple(q.shape)}")
     if not 1 <= D <= MAX_HEAD_DIM:

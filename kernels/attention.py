@@ -65,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAUNCH_OPTIONS
+
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
 # --------------------------------------------------------------------------------------
@@ -790,7 +792,8 @@ def _check_dtype(q: torch.Tensor) -> None:
 
 
 def _run(kernel, cfg: triton.Config, grid, args, constexprs) -> None:
-    kernel[grid(cfg.kwargs)](*args, **constexprs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel[grid(cfg.kwargs)](*args, **constexprs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              **LAUNCH_OPTIONS)
 
 
 def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
@@ -805,7 +808,7 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
     key = (_gpu_arch(device), _head_dim_class(constexprs["BLOCK_D"]),
            _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
     with torch.cuda.device(device):
-        tuned[key][grid](*args, **constexprs)
+        tuned[key][grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def _dot_options(dtype: torch.dtype) -> dict:

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAUNCH_OPTIONS
+
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
            "CONFIG"]
 
@@ -224,7 +226,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
             _dropout_fwd_kernel[(triton.cdiv(numel, cfg.BLOCK),)](
                 x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p),
                 BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(x.dtype),
-                num_warps=cfg.num_warps, num_stages=NUM_STAGES,
+                num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
             )
     return y, keep.view(torch.bool)
 
@@ -245,7 +247,7 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
             _dropout_bwd_kernel[(triton.cdiv(numel, cfg.BLOCK),)](
                 dy, keep, dx, numel, dropout_scale(p),
                 BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(dy.dtype),
-                num_warps=cfg.num_warps, num_stages=NUM_STAGES,
+                num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
             )
     return dx
 

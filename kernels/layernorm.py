@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAUNCH_OPTIONS
+
 __all__ = ["norm_fwd", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
 # --------------------------------------------------------------------------------------
@@ -518,7 +520,7 @@ def norm_fwd(x, residual, weight, bias, eps, rms):
         IS_RMS=bool(rms), HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
     )
     cfg = fwd_config(N)
-    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS)
     if cfg.split:
         _norm_fwd_split_kernel[(M,)](*args, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
     else:
@@ -541,7 +543,7 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     mean = None if rms else mean
     device = h.device
     cfg = bwd_config(N)
-    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS)
 
     # P programs (times the column chunks when split), each owning a contiguous block of
     # rows_per_program rows and writing one row of the (P, N) dW/dB partials
@@ -586,7 +588,7 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
             _or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd),
             num_partials, N,
             BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            num_warps=red.num_warps, num_stages=NUM_STAGES,
+            num_warps=red.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
         )
     return dx, (None if dw is None else dw.view(weight.shape)), (None if db is None else db.view(bias.shape))
 

@@ -32,6 +32,7 @@ ATTENTION_ERRORS = [
     ("head dim", dict(k=k0[..., :4], v=v0[..., :4]), ShapeError, "k"),
     ("heads", dict(k=torch.randn(2, 3, 7, 8), v=torch.randn(2, 3, 7, 8)), ShapeError, "heads"),
     ("empty batch", dict(q=q0[:0], k=k0[:0], v=v0[:0]), ShapeError, "batch"),
+    ("no heads", dict(q=q0[:, :0]), ShapeError, "head"),
     ("zero-length query", dict(q=q0[:, :, :0]), ShapeError, "query"),
     ("head dim > 256", dict(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257),
                             v=torch.randn(1, 1, 2, 257)), ShapeError, "head dim"),

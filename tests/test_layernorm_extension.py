@@ -326,6 +326,35 @@ def test_build_info_describes_the_loaded_build(ext):
     assert os.path.samefile(info["sources"], os.path.dirname(sys.modules["fasttrans.csrc"].__file__))
 
 
+def test_cuda_plan_builds_for_the_visible_gpus_or_the_arch_list(monkeypatch, tmp_path):
+    # a CUDA build of torch with nvcc: the architectures come from TORCH_CUDA_ARCH_LIST or the
+    # visible GPUs; with neither, torch's build would fail on an empty list, so only the CPU
+    # kernels are built (and say why)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").touch()
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with_cuda, reason, archs = extension._cuda_plan()
+    assert not with_cuda and "no GPU is visible" in reason and "TORCH_CUDA_ARCH_LIST" in reason
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 0), (9, 0)][i])
+    assert extension._cuda_plan() == (True, None, "8.0;9.0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6+PTX")
+    assert extension._cuda_plan() == (True, None, "8.6+PTX")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert not extension._cuda_plan()[0]
+
+
+def test_the_cache_key_holds_the_cuda_architectures(monkeypatch):
+    dirs = set()
+    for archs in ("8.0", "9.0", "8.0"):
+        monkeypatch.setattr(extension, "_cuda_plan", lambda: (True, None, archs))
+        dirs.add(extension._Plan().build_dir)
+    assert len(dirs) == 2
+
+
 def _python(code, env=None, **kw):
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
