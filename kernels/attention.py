@@ -28,9 +28,11 @@ query attention, over every query head of its kv group; dQ by one program per qu
 looping over key tiles. No atomics: each output element is written by exactly one
 program, in a fixed order, so two backward passes are bit-identical.
 
-Dropout keep(b, h, i, j) = philox_uniform(seed, ((b H + h) Lq + i) Lk + j) >= p, with the
-offset computed in int64: a pure function of the position, regenerated identically by the
-forward, both backward kernels and the debug entry point ``attention_dropout_mask``.
+Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
+keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
+extension backends drop the same scores for a seed. It is a pure function of the position,
+regenerated identically by the forward, both backward kernels and the debug entry point
+``attention_dropout_mask``.
 
 Mask specialisation: the host classifies the masks into constexprs (MASK_KIND none / bool
 / float, HAS_KEY_LENGTHS, IS_CAUSAL, HAS_DROPOUT), so each combination compiles to its own
@@ -66,6 +68,7 @@ import triton
 import triton.language as tl
 
 from . import LAUNCH_OPTIONS
+from .dropout import dropout_threshold
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
@@ -148,7 +151,7 @@ BWD_DQ_CONFIGS = {
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 32, 4, 2)],
-        (64, "heavy"): [_cfg(64, 32, 4, 2)],
+        (64, "heavy"): [_cfg(64, 16, 4, 2)],
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 8, 2)],
         (256, "light"): [_cfg(64, 32, 8, 1), _cfg(64, 16, 4, 1)],
@@ -226,9 +229,19 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr
 
 
 @triton.jit
-def _dropout_keep(seed, dropout_p, rng_offsets):
-    """Keep-mask for int64 offsets ((b H + h) Lq + i) Lk + j: uniform(seed, offset) >= p."""
-    return tl.rand(seed, rng_offsets) >= dropout_p
+def _dropout_keep(seed, threshold, b, h, rows, cols):
+    """keep(b, h, i, j) for query rows i and key columns j broadcast against each other
+    (rows[:, None] with cols[None, :], or transposed): word j % 4 of Philox4x32-10 with key
+    seed and counter (j // 4, i, h, b), kept when (word >> 8) >= threshold = round(p 2^24).
+    That is csrc/philox.h's dropout_keep: the extension draws the same mask bit for bit."""
+    i = rows.to(tl.uint32)
+    j = cols.to(tl.uint32)
+    zero = i * 0 + j * 0  # the broadcast shape
+    w0, w1, w2, w3 = tl.philox(seed, zero + (j >> 2), zero + i, zero + h.to(tl.uint32), zero + b.to(tl.uint32))
+    t = zero + (j & 3)
+    word = tl.where(t == 0, w0, tl.where(t == 1, w1, tl.where(t == 2, w2, w3)))
+    return (word >> 8).to(tl.int32) >= threshold  # 24-bit integers: exact on every device
+
 
 
 @triton.jit
@@ -288,8 +301,8 @@ def _attention_fwd_inner(
     K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
     Mask_rows,  # the dense mask at (batch, head, first row of the tile, key 0)
     offs_m, row_ok, d_ok,  # query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
-    rng_rows,  # (BLOCK_M,) int64: ((b H + h) Lq + i) Lk, the dropout offsets of key 0
-    lo, hi, kv_len, causal_offset, qk_scale, dropout_p, seed,
+    off_b, off_h,  # batch and head (the dropout mask's counter)
+    lo, hi, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
     stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -318,7 +331,7 @@ def _attention_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_p, rng_rows[:, None] + cols[None, :])
+            keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
@@ -342,7 +355,7 @@ def _attention_fwd_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on broadcast dims
     H, GROUP,  # query heads, query heads per kv head
     Lq, Lk, causal_offset,  # query i may attend key j <= i + causal_offset when IS_CAUSAL
-    scale, dropout_p, seed,
+    scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -380,7 +393,6 @@ def _attention_fwd_kernel(
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
     V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
     Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
-    rng_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -388,14 +400,14 @@ def _attention_fwd_kernel(
     qk_scale = scale * LOG2E
 
     acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, rng_rows,
-        0, full_end, kv_len, causal_offset, qk_scale, dropout_p, seed,
+        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        0, full_end, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
     )
     acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, rng_rows,
-        full_end, hi, kv_len, causal_offset, qk_scale, dropout_p, seed,
+        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        full_end, hi, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
     )
@@ -449,9 +461,9 @@ def _attention_bwd_dkdv_inner(
     Mask_b,  # the dense mask at (batch, head 0, row 0, first key of the tile)
     Lse_b, Delta_b,  # this batch's (H, Lq) lse and delta
     cols, col_ok, d_ok,  # key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
-    rng_b,  # int64 b H Lq: dropout offsets are ((b H + h) Lq + i) Lk + j
+    off_b,  # batch (the dropout mask's counter)
     head0, GROUP, lo, num_tiles,  # query heads head0 .. head0 + GROUP - 1, each over num_tiles tiles from lo
-    Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+    Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
     stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -498,7 +510,7 @@ def _attention_bwd_dkdv_inner(
             s_t = tl.where(allowed, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed, dropout_p, ((rng_b + row_base) * Lk)[None, :] + cols[:, None])
+            keep_t = _dropout_keep(seed, dropout_threshold, off_b, off_h, rows[None, :], cols[:, None])
             inv_keep = 1.0 / (1.0 - dropout_p)
         if OUTPUT != "dk":
             pd_t = p_t
@@ -531,7 +543,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, GROUP, Lq, Lk, causal_offset,
-    scale, dropout_p, seed,
+    scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -577,18 +589,18 @@ def _attention_bwd_dkdv_kernel(
     Q_b = Q + off_b * stride_q_b
     DO_b = DO + off_b * stride_do_b
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
-    rng_b = off_b * H * Lq
+    rng_b = off_b * H * Lq  # this batch's first row of lse and delta
     head0 = off_hkv * GROUP
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, rng_b,
-        head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, off_b,
+        head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, rng_b,
-        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, seed,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, off_b,
+        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
@@ -612,8 +624,8 @@ def _attention_bwd_dq_inner(
     q, do, lse2, delta,  # query tile, its output gradient, lse (log2 units) and delta rows
     K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
     Mask_rows, DMask_rows,  # the dense mask / its gradient at (batch, head, first row of the tile, key 0)
-    offs_m, row_ok, d_ok, rng_rows,
-    lo, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+    offs_m, row_ok, d_ok, off_b, off_h,
+    lo, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
     stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
@@ -637,7 +649,7 @@ def _attention_bwd_dq_inner(
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_p, rng_rows[:, None] + cols[None, :])
+            keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:
@@ -665,7 +677,7 @@ def _attention_bwd_dq_kernel(
     stride_dq_b, stride_dq_h, stride_dq_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, GROUP, Lq, Lk, causal_offset,
-    scale, dropout_p, seed,
+    scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -702,7 +714,6 @@ def _attention_bwd_dq_kernel(
     row_base = (off_b * H + off_h) * Lq
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-    rng_rows = (row_base + offs_m) * Lk
 
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
     V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
@@ -712,15 +723,15 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     dq = _attention_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, rng_rows,
-        0, full_end, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        0, full_end, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
         DOT_FP32, INPUT_PRECISION,
     )
     dq = _attention_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, rng_rows,
-        full_end, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, seed,
+        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        full_end, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
         DOT_FP32, INPUT_PRECISION,
@@ -740,7 +751,7 @@ def _attention_bwd_dq_kernel(
 @triton.jit
 def _attention_dropout_mask_kernel(
     Keep,  # (B, H, Lq, Lk) uint8 keep-mask, contiguous, written
-    H, Lq, Lk, dropout_p, seed,
+    H, Lq, Lk, dropout_threshold, seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -749,12 +760,11 @@ def _attention_dropout_mask_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < Lq
-    rng_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk  # the offsets are also the output positions
+    out_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk
     for start_n in range(0, Lk, BLOCK_N):
         cols = start_n + offs_n
-        offsets = rng_rows[:, None] + cols[None, :]
-        keep = _dropout_keep(seed, dropout_p, offsets)
-        tl.store(Keep + offsets, keep.to(tl.uint8), mask=row_ok[:, None] & (cols < Lk)[None, :])
+        keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
+        tl.store(Keep + out_rows[:, None] + cols[None, :], keep.to(tl.uint8), mask=row_ok[:, None] & (cols < Lk)[None, :])
 
 
 # --------------------------------------------------------------------------------------
@@ -855,8 +865,8 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *mstride,
-        H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), int(seed),
-        _bucket(Lq), _bucket(Lk),
+        H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
+        int(seed), _bucket(Lq), _bucket(Lk),
     )
     _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
             args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
@@ -891,7 +901,8 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
              pre_args, dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
 
-    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), int(seed), *buckets)
+    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
+              int(seed), *buckets)
     for output in _dkdv_outputs(feats["BLOCK_D"]):
         _launch(
             _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
@@ -929,7 +940,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
     cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _run(_attention_dropout_mask_kernel, cfg, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
-             (keep, H, Lq, Lk, float(dropout_p), int(seed)), {})
+             (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), {})
     return keep.view(torch.bool)
 
 

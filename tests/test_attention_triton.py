@@ -19,7 +19,7 @@ import torch
 import fasttrans
 from fasttrans import backends, functional, reference
 
-from helpers import FLOOR, assert_close_lowp, make_bool_mask, make_float_mask
+from helpers import FLOOR, assert_close_lowp, attention_keep, make_bool_mask, make_float_mask
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
@@ -246,6 +246,18 @@ def test_dropout_keep_fraction(p, device):
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
     assert torch.equal(keep, K.attention_dropout_mask(q, k, p, 1234))
     assert not torch.equal(keep, K.attention_dropout_mask(q, k, p, 1235))
+
+
+# Lk = 11: one partial key tile; 150: several tiles and a tail
+@pytest.mark.parametrize("Lk", [11, 150])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_mask_follows_its_definition(device, Lk):
+    """keep(b, h, i, j) = (philox((j//4, i, h, b), seed)[j%4] >> 8) >= round(p 2^24): the
+    extension's mask (csrc/philox.h), bit for bit."""
+    q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, Lk, 8, device=device)
+    p, seed = 0.3, (7 << 32) + 12345
+    keep = K.attention_dropout_mask(q, k, p, seed).cpu()
+    assert torch.equal(keep, attention_keep(seed, p, 2, 3, 5, Lk))
 
 
 @pytest.mark.parametrize("device", DEVICES)
