@@ -265,8 +265,6 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
         raise ShapeError(
             f"normalized_shape: expected the trailing dims of x, got {shape} for x of shape {tuple(x.shape)}"
         )
-    if x.numel() == 0:
-        raise ShapeError(f"x: expected a non-empty tensor, got shape {tuple(x.shape)}")
     if residual is not None:
         _check_tensor("residual", residual)
         if tuple(residual.shape) != tuple(x.shape):
@@ -317,6 +315,8 @@ def layer_norm(
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
+    if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
+        return reference.layer_norm(x, shape, weight, bias, eps)
     return _norm(x, None, weight, bias, eps, False, math.prod(shape))[0]
 
 
@@ -337,6 +337,8 @@ def add_layer_norm(
     if x.dim() == 0:
         raise ShapeError("x: expected at least one dimension, got a scalar")
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
+    if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
+        return reference.add_layer_norm(x, residual, weight, bias, eps)
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
 
@@ -346,10 +348,16 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> torch.Tensor:
-    """Same as ``torch.nn.functional.rms_norm`` (eps=None means torch.finfo(x.dtype).eps)."""
+    """Same as ``torch.nn.functional.rms_norm``.
+
+    eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
+    ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
+    """
     shape = _validate_norm(x, normalized_shape, weight, None, eps)
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = torch.finfo(reference._norm_stats_dtype(x)).eps
+    if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
+        return reference.rms_norm(x, shape, weight, eps)
     return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]
 
 

@@ -198,10 +198,11 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> torch.Tensor:
-    """RMSNorm as ``F.rms_norm``: x / sqrt(mean(x²) + eps) * weight; eps=None means finfo.eps."""
+    """RMSNorm as ``F.rms_norm``: x / sqrt(mean(x²) + eps) * weight; eps=None means the
+    machine epsilon of the statistics' dtype (float32's for float16/bfloat16), as torch computes."""
     dims = tuple(range(-len(normalized_shape), 0))
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = torch.finfo(_norm_stats_dtype(x)).eps
     xf = x.to(_norm_stats_dtype(x))
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
     if weight is not None:

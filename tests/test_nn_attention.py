@@ -387,6 +387,22 @@ def test_dropout_with_weights_matches_torch_under_the_same_seed():
     torch.testing.assert_close(w_f, w_t, **TOL[F64])
 
 
+def test_dropout_one_drops_every_weight_as_torch():
+    """dropout=1 (torch accepts p <= 1): the attention output is 0, its gradients 0."""
+    t, f = _pair(embed_dim=E, num_heads=H, dropout=1.0, dtype=F64)
+    for need_weights in (False, True):
+        _assert_match(t, f, (_seq(N, L, E, False),), lambda m, x: m(x, x, x, need_weights=need_weights))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_causal_float_mask_that_requires_grad_gets_its_gradient(need_weights):
+    # a mask equal to the causal mask is run as is_causal, unless its gradient is asked for
+    t, f = _pair(embed_dim=E, num_heads=H, dtype=F64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
+    _assert_match(t, f, (_seq(N, L, E, False), mask),
+                  lambda m, x, am: m(x, x, x, attn_mask=am, need_weights=need_weights))
+
+
 def test_fused_dropout_uses_the_op_keep_mask():
     """need_weights=False passes dropout_p to fasttrans.attention in training, 0 in eval."""
     p = 0.3
@@ -534,6 +550,10 @@ ERROR_CASES = {
     "key_padding_mask 1-D for batched query": dict(key_padding_mask=lambda: torch.zeros(S, dtype=torch.bool)),
     "is_causal without attn_mask": dict(is_causal=lambda: True),
     "float attn_mask of another dtype with weights": dict(attn_mask=lambda: torch.zeros(L, S)),
+    # without weights torch takes float32 masks and masks of the query's dtype (float64 here)
+    "float16 attn_mask": dict(attn_mask=lambda: torch.zeros(L, S, dtype=torch.float16), need_weights=lambda: False),
+    "bfloat16 key_padding_mask": dict(key_padding_mask=lambda: torch.zeros(N, S, dtype=torch.bfloat16),
+                                      need_weights=lambda: False),
     "unbatched attn_mask head count": dict(query=lambda: _x(L, E), key=lambda: _x(S, E), value=lambda: _x(S, E),
                                           attn_mask=lambda: torch.zeros(H + 1, L, S, dtype=torch.bool)),
     "unbatched key_padding_mask 2-D": dict(query=lambda: _x(L, E), key=lambda: _x(S, E), value=lambda: _x(S, E),

@@ -223,7 +223,8 @@ def translate(
 
     dense: Tensor | None = None
     if attn_mask is not None:
-        if extra_keys == 0 and not compiling and is_causal_mask(attn_mask, L, S):
+        # a mask that requires grad stays a tensor: its gradient is asked for
+        if extra_keys == 0 and not compiling and not attn_mask.requires_grad and is_causal_mask(attn_mask, L, S):
             out.is_causal = True
         else:
             # views whatever the strides: (1, 1, L, S) or (N, H, L, S)

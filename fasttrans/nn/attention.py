@@ -242,7 +242,15 @@ class MultiheadAttention(Module):
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
         H = self.num_heads
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, need_weights)
+        # the float mask dtypes torch's ops take: baddbmm (weights) the query's, scaled_dot_
+        # product_attention also float32; none when torch drops attn_mask under a causal hint
+        if need_weights:
+            mask_dtypes = (query.dtype,)
+        elif is_causal and key_padding_mask is None:
+            mask_dtypes = None
+        else:
+            mask_dtypes = (query.dtype, torch.float32)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
 
         q, k, v = self._in_projection(query, key, value, qkv_same, kv_same)
         extra = 0
@@ -272,10 +280,14 @@ class MultiheadAttention(Module):
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S')
         else:
+            # dropout = 1 (accepted by torch) drops every weight: the attention output is
+            # 0 * out, which keeps the graph (zero gradients) as torch's dropout does
             out = FT.attention(
                 q, k, v, attn_mask=masks.attn_mask, key_lengths=masks.key_lengths,
-                is_causal=masks.is_causal, dropout_p=dropout_p,
+                is_causal=masks.is_causal, dropout_p=dropout_p if dropout_p < 1.0 else 0.0,
             )  # (N, H, L, D)
+            if dropout_p >= 1.0:
+                out = out * 0.0
 
         # (N, H, L, D) -> rows of E features in the caller's layout, then the output projection
         out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)  # (L, N, H, D) | (N, L, H, D)
@@ -319,7 +331,7 @@ class MultiheadAttention(Module):
                 )
         return batched
 
-    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, need_weights) -> None:
+    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes) -> None:
         """The checks torch makes (or the errors torch's ops raise) on batched inputs, same types."""
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
@@ -370,16 +382,16 @@ class MultiheadAttention(Module):
                 f"key_padding_mask: expected shape {(N, S)} (batch size, source length), "
                 f"got {tuple(key_padding_mask.shape)}"
             )
-        if need_weights:
-            # torch's weights path adds the canonical float masks to the scores with baddbmm,
-            # which needs them in the query's dtype (bool masks become the query's dtype)
+        if mask_dtypes is not None:
+            # torch merges the float masks (bool ones become the query's dtype) and adds them
+            # to the scores
             dtypes = [m.dtype for m in (attn_mask, key_padding_mask) if m is not None and m.dtype != torch.bool]
             if dtypes:
                 mask_dtype = dtypes[0] if len(dtypes) == 1 else torch.promote_types(*dtypes)
-                if mask_dtype != query.dtype:
+                if mask_dtype not in mask_dtypes:
                     raise RuntimeError(
-                        f"attn_mask, key_padding_mask: with need_weights=True a float mask must have the "
-                        f"query's dtype ({query.dtype}), got {mask_dtype}"
+                        f"attn_mask, key_padding_mask: expected bool masks or float masks of dtype "
+                        f"{' or '.join(map(str, dict.fromkeys(mask_dtypes)))}, got {mask_dtype}"
                     )
 
     def _in_projection(self, query: Tensor, key: Tensor, value: Tensor, qkv_same: bool, kv_same: bool):

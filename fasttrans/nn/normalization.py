@@ -116,7 +116,8 @@ class RMSNorm(Module):
 
     Args:
         normalized_shape: int or sequence of ints: the trailing dims to normalise over.
-        eps: added to the mean square; None (default) means ``torch.finfo(x.dtype).eps``.
+        eps: added to the mean square; None (default) means the machine epsilon of the
+            statistics' dtype, as in torch: ``torch.finfo(x.dtype).eps``, float32's for fp16/bf16.
         elementwise_affine: learn ``weight`` (ones). Default: True.
         device, dtype: factory kwargs for the parameters.
 
