@@ -5,6 +5,14 @@
 // for clarity and zero register spills rather than peak speed: scalar FP32 FMAs on CUDA
 // cores, no tensor cores. Only CUDA headers are included (see cuda_launchers.h).
 //
+// NaN follows fasttrans.reference: the scores are scale q.k plus a float mask, and then every
+// hidden entry (causal, key_lengths, a bool mask's False) is replaced by -inf, so a NaN score
+// at a hidden position stays hidden, while NaN + -inf from a float mask is NaN. A row with a
+// NaN score has a NaN output and lse (the row maximum propagates NaN), and exp(s - NaN) makes
+// its P, dS and so its gradients NaN in backward. Key tiles and query tiles that the kernels
+// skip (above the causal diagonal, past key_lengths) are never read, so a NaN there cannot
+// reach a gradient through 0 * NaN the way it does in the reference's dense matmuls.
+//
 // Work decomposition (a block is 4 warps; every output element has exactly one writer, so
 // there are no atomics and the results are deterministic):
 //   forward, dQ : a block owns 16 query rows of one (b, h), 4 rows per warp; key tiles of 32
@@ -40,6 +48,8 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // picked 64 registers for some sm_90 instantiations and spilled.
 constexpr int kMinBlocks = 2;
 constexpr int kDefaultSmem = 48 * 1024;
+// Grid cap of the delta kernel (one warp per row): larger inputs loop, grid-stride.
+constexpr int64_t kMaxDeltaBlocks = 65536;
 
 // Element i of a q/k/v/dout/out-typed array as fp32, and the store back. The dtype is a
 // runtime switch (uniform across the grid) rather than a template parameter: it only touches
@@ -60,9 +70,14 @@ __device__ __forceinline__ void store_float(void* p, int64_t i, float v, DType t
   }
 }
 
+// max(a, b) that propagates NaN (fmaxf returns the other operand): a NaN score must make its
+// row NaN, as in the reference, not leave it looking fully masked (output 0).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a >= b || a != a) ? a : b; }
+
+// Maximum over the warp, NaN if any lane holds NaN; every lane gets it.
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, o));
+  for (int o = 16; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));
   return x;
 }
 
@@ -83,12 +98,23 @@ __device__ __forceinline__ bool visible(const AttentionArgs& a, int64_t kv_len, 
   return i < a.Lq && j < kv_len && (!a.causal || j <= i + a.causal_offset);
 }
 
-// The additive mask for score (b, h, i, j): a float mask's value, 0 / -inf for a bool mask.
-__device__ __forceinline__ float mask_value(const AttentionArgs& a, int64_t b, int64_t h, int64_t i, int64_t j) {
-  const int64_t off = b * a.m_sb + h * a.m_sh + i * a.m_si + j * a.m_sj;
+__device__ __forceinline__ int64_t mask_offset(const AttentionArgs& a, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return b * a.m_sb + h * a.m_sh + i * a.m_si + j * a.m_sj;
+}
+
+// Query i may attend key j: visible (causal, key_lengths, in range) and, with a bool mask, True
+// there (the reference's allowed_mask). The mask is read only for visible (in-range) entries.
+__device__ __forceinline__ bool allowed(const AttentionArgs& a, int64_t kv_len, int64_t b, int64_t h, int64_t i,
+                                        int64_t j) {
+  if (!visible(a, kv_len, i, j)) return false;
+  return a.mask_type != MaskType::kBool || static_cast<const bool*>(a.mask)[mask_offset(a, b, h, i, j)];
+}
+
+// The float mask's value added to score (b, h, i, j); 0 without one (a bool mask is not
+// added: allowed() replaces the scores it hides by -inf).
+__device__ __forceinline__ float mask_add(const AttentionArgs& a, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const int64_t off = mask_offset(a, b, h, i, j);
   switch (a.mask_type) {
-    case MaskType::kBool:
-      return static_cast<const bool*>(a.mask)[off] ? 0.0f : -INFINITY;
     case MaskType::kFloat32:
       return static_cast<const float*>(a.mask)[off];
     case MaskType::kFloat16:
@@ -195,9 +221,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
 #pragma unroll
     for (int r = 0; r < kPerWarp; ++r) {
       const int64_t i = i0 + warp * kPerWarp + r;
-      const bool ok = visible(a, kv_end, i, j);
-      const float score = ok ? s[r] + mask_value(a, b, h, i, j) : -INFINITY;
-      const float m_new = fmaxf(m[r], warp_max(score));
+      const bool ok = allowed(a, kv_end, b, h, i, j);
+      const float score = ok ? s[r] + mask_add(a, b, h, i, j) : -INFINITY;
+      // NaN from the first NaN score on: alpha and p are then NaN, and so are l and the output
+      const float m_new = nan_max(m[r], warp_max(score));
       float alpha = 1.0f;
       p[r] = 0.0f;
       if (m_new != -INFINITY) {  // uniform across the warp
@@ -219,34 +246,40 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
     const int64_t i = i0 + warp * kPerWarp + r;
     if (i >= a.Lq) continue;
     const int64_t row = (b * a.H + h) * a.Lq + i;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // p already carries the dropout scale
+    // l == 0: no allowed key (output 0, lse +inf); l is NaN on rows with a NaN score, and so
+    // are their output and lse, as in the reference
+    const bool empty = l[r] == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / l[r];  // p already carries the dropout scale
 #pragma unroll
     for (int t = 0; t < DPL; ++t) {
       const int c = lane + 32 * t;
       if (c < D) store_float(out, row * D + c, acc[r][t] * inv, a.dtype);
     }
-    if (lane == 0) lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : INFINITY;
+    if (lane == 0) lse[row] = empty ? INFINITY : m[r] + logf(l[r]);
   }
 }
 
 // --------------------------------------------------------------------------------------
 // Backward
 // --------------------------------------------------------------------------------------
-// delta[row] = sum_d dout[row, d] * out[row, d]; one warp per row.
+// delta[row] = sum_d dout[row, d] * out[row, d]; one warp per row, rows grid-strided.
 __global__ void __launch_bounds__(kThreads) attention_delta_kernel(const void* __restrict__ dout,
                                                                     const void* __restrict__ out, DType t,
                                                                     int64_t rows, int D, float* __restrict__ delta) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;  // whole warps leave together
-  float s = 0.0f;
-  for (int d = lane; d < D; d += 32) s = fmaf(load_float(dout, row * D + d, t), load_float(out, row * D + d, t), s);
-  s = warp_sum(s);
-  if (lane == 0) delta[row] = s;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  // the loop condition is uniform across a warp: whole warps run the shuffles together
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows; row += stride) {
+    float s = 0.0f;
+    for (int d = lane; d < D; d += 32) s = fmaf(load_float(dout, row * D + d, t), load_float(out, row * D + d, t), s);
+    s = warp_sum(s);
+    if (lane == 0) delta[row] = s;
+  }
 }
 
 // dQ (and dmask): per query block, over all visible key tiles.
 //   P = exp(scale q.k + mask - lse),  dS = P (keep/(1-p) dO.v - delta),  dQ = scale sum_j dS_j k_j
+// dS is 0 where the key is hidden (the reference's masked_fill passes no gradient there).
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(const AttentionArgs a,
                                                                                  const void* __restrict__ dout,
@@ -304,8 +337,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
     for (int r = 0; r < kPerWarp; ++r) {
       const int64_t i = i0 + warp * kPerWarp + r;
       ds[r] = 0.0f;
-      if (visible(a, kv_end, i, j)) {
-        const float p = expf(s[r] * a.scale + mask_value(a, b, h, i, j) - row_lse[r]);
+      if (allowed(a, kv_end, b, h, i, j)) {
+        // expf(x - NaN) is NaN: the rows NaN in the forward (lse NaN) get NaN gradients
+        const float p = expf(s[r] * a.scale + mask_add(a, b, h, i, j) - row_lse[r]);
         ds[r] = p * (dp[r] * dropout_factor(a, b, h, i, j) - row_delta[r]);
         if (dmask != nullptr) dmask[(bh * a.Lq + i) * a.Lk + j] = ds[r];
       }
@@ -329,6 +363,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
 
 // dK, dV: per block of 16 keys of one kv head, over its query heads and visible query tiles.
 //   dV_j = sum_i P_ij keep/(1-p) dO_i,   dK_j = scale sum_i dS_ij q_i
+// As in the reference, P is exp(-inf - lse) where the key is hidden: 0, or NaN on a row NaN
+// in the forward (lse NaN); dS is 0 there.
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kernel(const AttentionArgs a,
                                                                                    const void* __restrict__ dout,
@@ -396,9 +432,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
 #pragma unroll
       for (int r = 0; r < kPerWarp; ++r) {
         const int64_t j = j0 + warp * kPerWarp + r;
-        pd[r] = ds[r] = 0.0f;
-        if (visible(a, kv_len, i, j)) {
-          const float p = expf(s[r] * a.scale + mask_value(a, b, h, i, j) - lse_s[lane]);
+        const bool ok = allowed(a, kv_len, b, h, i, j);
+        const float p = expf((ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY) - lse_s[lane]);
+        pd[r] = p;
+        ds[r] = 0.0f;
+        if (ok) {
           const float f = dropout_factor(a, b, h, i, j);
           pd[r] = p * f;
           ds[r] = p * (dp[r] * f - delta_s[lane]) * a.scale;
@@ -481,7 +519,9 @@ const char* allow_smem(Kernel kernel, size_t bytes, int64_t D) {
 }
 
 const char* check_grid(const AttentionArgs& a, int64_t blocks_x) {
-  if (blocks_x > 2147483647LL || a.H > 65535 || a.B > 65535) return "attention_cuda: too many blocks for one launch";
+  if (blocks_x > 2147483647LL || a.H > 65535 || a.Hkv > 65535 || a.B > 65535) {
+    return "attention_cuda: too many blocks for one launch";
+  }
   if (a.D < 1 || a.D > 256) return "attention_cuda: head dim must be in [1, 256]";
   return nullptr;
 }
@@ -506,14 +546,18 @@ const char* bwd_launch(const AttentionArgs& a, const void* dout, const void* out
   const int64_t rows = a.B * a.H * a.Lq;
   const int64_t q_blocks = (a.Lq + kBlockRows - 1) / kBlockRows, k_blocks = (a.Lk + kBlockRows - 1) / kBlockRows;
   if (const char* e = check_grid(a, q_blocks > k_blocks ? q_blocks : k_blocks)) return e;
-  attention_delta_kernel<<<(rows + kWarps - 1) / kWarps, kThreads, 0, stream>>>(dout, out, a.dtype, rows,
-                                                                                 static_cast<int>(a.D), delta);
-  if (const char* e = last_error()) return e;
+  if (rows > 0) {  // with no query rows only the dK/dV kernel runs: it writes their zeros
+    const int64_t delta_blocks = (rows + kWarps - 1) / kWarps;  // rows beyond the grid loop
+    attention_delta_kernel<<<static_cast<unsigned>(delta_blocks < kMaxDeltaBlocks ? delta_blocks : kMaxDeltaBlocks),
+                             kThreads, 0, stream>>>(dout, out, a.dtype, rows, static_cast<int>(a.D), delta);
+    if (const char* e = last_error()) return e;
 
-  const size_t smem_q = dq_smem(a.D);
-  if (const char* e = allow_smem(attention_bwd_dq_kernel<DPL>, smem_q, a.D)) return e;
-  attention_bwd_dq_kernel<DPL><<<dim3(q_blocks, a.H, a.B), kThreads, smem_q, stream>>>(a, dout, lse, delta, dq, dmask);
-  if (const char* e = last_error()) return e;
+    const size_t smem_q = dq_smem(a.D);
+    if (const char* e = allow_smem(attention_bwd_dq_kernel<DPL>, smem_q, a.D)) return e;
+    attention_bwd_dq_kernel<DPL><<<dim3(q_blocks, a.H, a.B), kThreads, smem_q, stream>>>(a, dout, lse, delta, dq,
+                                                                                          dmask);
+    if (const char* e = last_error()) return e;
+  }
 
   if (a.Lk == 0) return nullptr;
   const size_t smem_k = dkdv_smem(a.D);
@@ -536,7 +580,8 @@ const char* attention_fwd_cuda(const AttentionArgs& a, void* out, float* lse, cu
 
 const char* attention_bwd_cuda(const AttentionArgs& a, const void* dout, const void* out, const float* lse,
                                float* delta, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream) {
-  if (a.B == 0 || a.H == 0 || a.Lq == 0) return nullptr;
+  if (a.B == 0 || a.D == 0) return nullptr;  // no output elements
+  // H == 0 or Lq == 0 still launches the dK/dV kernel: dK and dV are 0, not uninitialised
   if (a.D <= 32) return bwd_launch<1>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
   if (a.D <= 64) return bwd_launch<2>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
   if (a.D <= 128) return bwd_launch<4>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);

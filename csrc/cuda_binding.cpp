@@ -159,7 +159,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionInputs in =
       attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ", q.sizes());
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ", q.sizes(),
+              ", got ", dout.sizes(), " and ", out.sizes());
+  // the kernels read lse[(b * H + h) * Lq + i]
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+              "lse: expected shape (B, H, Lq) = ", q.sizes().slice(0, 3), ", got ", lse.sizes());
   TORCH_CHECK(!mask_grad || (in.mask.defined() && in.mask.scalar_type() != at::kBool),
               "mask_grad: the gradient of attn_mask needs a floating-point attn_mask");
   check_cuda(dout, q, "dout");
@@ -170,6 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor lse_c = lse.to(at::kFloat).contiguous();
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  // every element is written by the kernels, dK and dV also when there are no query rows
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -244,32 +249,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Te
   return {y, h, mean, rstd};
 }
 
+namespace {
+
+// A (M, N) gradient of h: h's shape and dtype (as the CPU kernel requires), h's device.
+void check_rows(const at::Tensor& t, const at::Tensor& h, const char* name) {
+  TORCH_CHECK(t.sizes() == h.sizes(), name, ": expected the shape of h ", h.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == h.scalar_type(), name, ": expected the dtype of h (", h.scalar_type(), "), got ",
+              t.scalar_type());
+  check_cuda(t, h, name);
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy, const std::optional<at::Tensor>& dh,
                                                         const at::Tensor& h_in, const std::optional<at::Tensor>& weight,
                                                         const std::optional<at::Tensor>& bias, const at::Tensor& mean,
                                                         const at::Tensor& rstd, bool rms) {
-  TORCH_CHECK(h_in.dim() == 2 && dy.sizes() == h_in.sizes(), "dy, h: expected equal (M, N) shapes, got ", dy.sizes(),
-              " and ", h_in.sizes());
+  TORCH_CHECK(h_in.dim() == 2, "h: expected a 2-D (M, N) tensor, got shape ", h_in.sizes());
   const c10::cuda::CUDAGuard guard(h_in.device());
   const at::Tensor h = unit_inner(h_in);
   const int64_t M = h.size(0), N = h.size(1);
   const kern::DType dtype = dtype_of(h, "h");
-  const at::Tensor dy_c = dy.to(h.scalar_type()).contiguous();
+  check_rows(dy, h, "dy");
+  const at::Tensor dy_c = dy.contiguous();
   at::Tensor dh_c;
   if (dh.has_value() && dh->defined() && dh->numel() > 0) {
-    TORCH_CHECK(dh->sizes() == h.sizes(), "dh: expected the shape of h ", h.sizes(), ", got ", dh->sizes());
-    dh_c = dh->to(h.scalar_type()).contiguous();
+    check_rows(*dh, h, "dh");
+    dh_c = dh->contiguous();
   }
   // RMSNorm has no mean: it arrives as an empty (0,) tensor and is ignored
   at::Tensor mean_c;
   if (!rms) {
     TORCH_CHECK(mean.numel() == M, "mean: expected ", M, " elements, got shape ", mean.sizes());
+    check_cuda(mean, h, "mean");
     mean_c = mean.to(at::kFloat).contiguous();
   }
   TORCH_CHECK(rstd.numel() == M, "rstd: expected ", M, " elements, got shape ", rstd.sizes());
+  check_cuda(rstd, h, "rstd");
   const at::Tensor rstd_c = rstd.to(at::kFloat).contiguous();
   at::Tensor w;
-  if (weight.has_value() && weight->defined()) w = weight->reshape({N}).to(at::kFloat).contiguous();
+  if (weight.has_value() && weight->defined()) {
+    check_cuda(*weight, h, "weight");
+    w = weight->reshape({N}).to(at::kFloat).contiguous();
+  }
   const bool want_db = bias.has_value() && bias->defined();
 
   const int64_t chunks = kern::norm_bwd_chunks(M);
@@ -293,9 +315,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy, co
 }
 
 // Elementwise dropout: fasttrans.functional passes 0 < p < 1 (it handles p == 0 and p == 1).
+// Any int64 seed is accepted, as on the CPU: the Philox key is its 64 bits (uint64).
 std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p, int64_t seed) {
   TORCH_CHECK(p > 0.0 && p < 1.0, "p: expected a dropout probability in (0, 1), got ", p);
-  TORCH_CHECK(seed >= 0, "seed: expected a non-negative seed, got ", seed);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const kern::DType dtype = dtype_of(x_in, "x");
   const at::Tensor x = x_in.contiguous();

@@ -43,8 +43,9 @@ struct AttentionArgs {
 const char* attention_fwd_cuda(const AttentionArgs& args, void* out, float* lse, cudaStream_t stream);
 
 // dout, out (B, H, Lq, D) contiguous in args.dtype; lse (B, H, Lq) fp32; delta a (B, H, Lq)
-// fp32 workspace; dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, D) contiguous in args.dtype;
-// dmask (B, H, Lq, Lk) fp32, zero-filled by the caller, or null.
+// fp32 workspace; dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, D) contiguous in args.dtype, every
+// element written (dk, dv are zeros when H or Lq is 0); dmask (B, H, Lq, Lk) fp32,
+// zero-filled by the caller, or null.
 const char* attention_bwd_cuda(const AttentionArgs& args, const void* dout, const void* out, const float* lse,
                                float* delta, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream);
 

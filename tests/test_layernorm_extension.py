@@ -263,6 +263,34 @@ def test_weight_bias_gradients_are_bitwise_deterministic(ext):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_wants_gradients_in_the_dtype_of_h(ext, device):
+    require_extension(device, "norm")
+    _af, _ab, fwd, bwd = ext
+    x, r = torch.randn(6, 20, device=device), torch.randn(6, 20, device=device)
+    w = torch.randn(20, device=device)
+    _, h, mean, rstd = fwd(x, r, w, None, 1e-5, False)
+    dy = torch.randn(6, 20, device=device)
+    with pytest.raises(RuntimeError, match="dy: expected the dtype"):
+        bwd(dy.double(), None, h, w, None, mean, rstd, False)
+    with pytest.raises(RuntimeError, match="dh: expected the dtype"):
+        bwd(dy, dy.half(), h, w, None, mean, rstd, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dy", "dh", "weight", "mean", "rstd"])
+def test_cuda_backward_rejects_tensors_on_another_device(ext, name):
+    require_extension("cuda", "norm")
+    _af, _ab, fwd, bwd = ext
+    x, r, w = torch.randn(6, 20, device="cuda"), torch.randn(6, 20, device="cuda"), torch.randn(20, device="cuda")
+    _, h, mean, rstd = fwd(x, r, w, None, 1e-5, False)
+    args = dict(dy=torch.randn(6, 20, device="cuda"), dh=torch.randn(6, 20, device="cuda"), weight=w, mean=mean,
+                rstd=rstd)
+    args[name] = args[name].cpu()
+    with pytest.raises(RuntimeError, match=f"{name}: expected a tensor on cuda"):
+        bwd(args["dy"], args["dh"], h, args["weight"], None, args["mean"], args["rstd"], False)
+
+
 # ---------------------------------------------------------------------------------------
 # torch.library
 # ---------------------------------------------------------------------------------------
