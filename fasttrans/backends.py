@@ -205,6 +205,7 @@ class Backend:
     name: str
     _load: Callable[[], object]  # returns the object implementing the backend interface
     _check: Callable[[torch.device], str | None]  # None when usable on the device, else why not
+    fp64_devices: tuple[str, ...] | None = None  # device types with float64 kernels; None: all
     _impl: object | None = None
     _load_error: str | None = None
 
@@ -241,6 +242,13 @@ class Backend:
 
     def is_available(self, device: torch.device | str, op: str | None = None) -> bool:
         return self.unavailable_reason(device, op) is None
+
+    def dtype_reason(self, device: torch.device | str, dtype: torch.dtype | None) -> str | None:
+        """None when this backend has kernels for ``dtype`` on ``device``, else the reason."""
+        device = torch.device(device)
+        if dtype == torch.float64 and self.fp64_devices is not None and device.type not in self.fp64_devices:
+            return f"backend '{self.name}' has no float64 kernels on {device.type}"
+        return None
 
 
 def _triton_check(device: torch.device) -> str | None:
@@ -302,8 +310,8 @@ def _load_extension():
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", _load_triton, _triton_check),
-    "extension": Backend("extension", _load_extension, _extension_check),
+    "triton": Backend("triton", _load_triton, _triton_check, fp64_devices=()),
+    "extension": Backend("extension", _load_extension, _extension_check, fp64_devices=("cpu",)),
     "reference": Backend("reference", lambda: _ReferenceImpl(), lambda device: None),
 }
 
@@ -361,8 +369,9 @@ def _preference(device: torch.device) -> tuple[str, ...]:
     return ("reference",)
 
 
-def select_backend(op: str, device: torch.device | str) -> Backend:
-    """The backend that runs ``op`` on ``device``: the forced one, or the best available."""
+def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
+    """The backend that runs ``op`` on ``device`` for inputs of ``dtype``: the forced one, or
+    the best available (a forced backend without kernels for the dtype raises its own error)."""
     device = torch.device(device)
     forced = current_forced_backend()
     if forced is not None:
@@ -374,7 +383,7 @@ def select_backend(op: str, device: torch.device | str) -> Backend:
     preference = _preference(device)
     for name in preference:
         backend = BACKENDS[name]
-        why = backend.unavailable_reason(device, op)
+        why = backend.unavailable_reason(device, op) or backend.dtype_reason(device, dtype)
         if why is None:
             return backend
         if name != "reference" and (name, why) not in _warned:

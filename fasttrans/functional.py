@@ -68,16 +68,16 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _selected_backend(op: str, device: str) -> str:
+def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) -> str:
     # Selection reads a context variable, the environment and the file system: under
     # torch.compile it runs once at trace time and its result is baked into the graph.
-    name = backends.select_backend(op, device).name
+    name = backends.select_backend(op, device, dtype).name
     backends.ops_for(name)  # register now: registering a fake implementation inside a trace breaks the graph
     return name
 
 
-def _ops(op: str, device: torch.device):
-    name = _selected_backend(op, str(device))
+def _ops(op: str, device: torch.device, dtype: torch.dtype):
+    name = _selected_backend(op, str(device), dtype)
     return name, backends.ops_for(name)
 
 
@@ -195,7 +195,7 @@ def attention(
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
-    _, (fwd, _bwd, _nf, _nb) = _ops("attention", q.device)
+    _, (fwd, _bwd, _nf, _nb) = _ops("attention", q.device, q.dtype)
     out, _lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale,
                     _draw_seed(dropout_p))
     return out
@@ -217,7 +217,7 @@ def attention_dropout_mask(
     _check_tensor("k", k, 4)
     if not 0.0 < float(dropout_p) < 1.0:
         raise ShapeError(f"dropout_p: expected a probability in (0, 1), got {dropout_p!r}")
-    name, _ = _ops("attention", q.device)
+    name, _ = _ops("attention", q.device, q.dtype)
     return backends.get_backend(name).impl().attention_dropout_mask(q, k, float(dropout_p), _draw_seed(dropout_p))
 
 
@@ -298,7 +298,7 @@ def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _norm(x, residual, weight, bias, eps, rms, n):
-    _, (_af, _ab, fwd, _nb) = _ops("norm", x.device)
+    _, (_af, _ab, fwd, _nb) = _ops("norm", x.device, x.dtype)
     y, h, _mean, _rstd = fwd(
         _rows(x, n), None if residual is None else _rows(residual, n),
         _param(weight, x), _param(bias, x), float(eps), rms,
@@ -389,7 +389,7 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     if p == 1.0 or input.numel() == 0:
         out = input * 0.0
     else:
-        name = _selected_backend("dropout", str(input.device))
+        name = _selected_backend("dropout", str(input.device), input.dtype)
         fwd, _ = backends.dropout_ops_for(name)
         out, _keep = fwd(input.contiguous(), p, _draw_seed(p))
     if inplace:
@@ -406,7 +406,7 @@ def dropout_mask(input: torch.Tensor, p: float, backend: str | None = None) -> t
     p = _validate_dropout(input, p)
     if not 0.0 < p < 1.0:
         raise ShapeError(f"p: expected a dropout probability in (0, 1) for a keep-mask, got {p}")
-    name = backend or _selected_backend("dropout", str(input.device))
+    name = backend or _selected_backend("dropout", str(input.device), input.dtype)
     fwd, _ = backends.dropout_ops_for(name)
     with torch.no_grad():
         return fwd(input.contiguous(), p, _draw_seed(p))[1]

@@ -343,6 +343,24 @@ def test_automatic_fallback_warns_once(monkeypatch):
             fasttrans.attention(q, k, v)
 
 
+def test_automatic_selection_skips_a_backend_without_kernels_for_the_dtype(monkeypatch):
+    # as Triton and the CUDA extension for float64 on a GPU: the next backend runs it, with a
+    # one-time warning; float32 stays on the preferred backend
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    monkeypatch.setattr(backends.BACKENDS["extension"], "fp64_devices", ())
+    monkeypatch.setattr(backends, "_warned", set())
+    q, k, v = _qkv(dtype=torch.float64)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no float64 kernels on cpu"):
+        out = fasttrans.attention(q, k, v)
+    torch.testing.assert_close(out, reference.attention(q, k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(fasttrans.layer_norm(x, (8,)), F.layer_norm(x, (8,)))
+    assert backends.select_backend("norm", "cpu", torch.float64).name == "reference"
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "extension"
+
+
 # ---------------------------------------------------------------------------------------
 # torch.library registration
 # ---------------------------------------------------------------------------------------
