@@ -163,6 +163,17 @@ def test_seeded_init_and_state_dict_match_torch(kwargs):
         assert torch.equal(t2.state_dict()[k], v), k
 
 
+def test_merge_masks_is_torchs():
+    t, f = _pair(embed_dim=E, num_heads=H, batch_first=True)
+    query = torch.randn(N, L, E)
+    kpm = _right_padded([L, 3, 2], L)
+    for masks in ((None, None), (torch.rand(L, L) > 0.5, None), (None, kpm), (torch.rand(L, L) > 0.5, kpm)):
+        got, want = f.merge_masks(*masks, query), t.merge_masks(*masks, query)
+        assert got[1] == want[1] and (got[0] is None) == (want[0] is None)
+        if want[0] is not None:
+            assert torch.equal(got[0], want[0])
+
+
 def test_reset_parameters_repeats_construction():
     torch.manual_seed(5)
     fresh = fnn.MultiheadAttention(E, H, add_bias_kv=True)

@@ -179,6 +179,13 @@ class MultiheadAttention(Module):
             s += ", add_zero_attn=True"
         return s + f", batch_first={self.batch_first}"
 
+    def merge_masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
+    ) -> tuple[Tensor | None, int | None]:
+        """torch.nn.MultiheadAttention.merge_masks: the two masks combined into one
+        (batch, heads, L, L) mask and its type (0 attn_mask, 1 key_padding_mask, 2 both)."""
+        return torch.nn.MultiheadAttention.merge_masks(self, attn_mask, key_padding_mask, query)
+
     # ----------------------------------------------------------------------------------
     # forward
     # ----------------------------------------------------------------------------------
