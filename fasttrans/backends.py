@@ -31,7 +31,7 @@ attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal
     a float attn_mask).
 attention_dropout_mask(q, k, dropout_p, seed) -> bool (B, H, Lq, Lk) keep-mask
     The exact mask attention_fwd uses for that seed: the debug hook the tests feed to
-    fasttrans.reference.
+    fasttrans.reference. Every backend draws fasttrans.reference.attention_dropout_keep.
 norm_fwd(x, residual, weight, bias, eps, rms) -> (y, h or None, mean or None, rstd)
     x, residual (M, N) with stride(-1) == 1; weight/bias (N,) in x.dtype or fp32, or None.
     h = x + residual (None when residual is None); y = LayerNorm(h) (RMSNorm when rms,
@@ -41,8 +41,8 @@ norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms) -> (dx, dweight or None, dbia
     added to dx. dx is also the gradient w.r.t. residual.
 dropout_fwd(x, p, seed) -> (y, keep)
     x contiguous, any shape; 0 < p < 1. keep: bool, x's shape; keep[i] is a pure function of
-    (seed, flat index i) with P(keep) = 1 - p (each backend has its own generator: the CPU
-    and CUDA extension share one, bit for bit). y = x * keep * scale with scale = 1 / (1 - p)
+    (seed, flat index i) with P(keep) = 1 - p: Philox4x32-10 as csrc/philox.h defines it,
+    the same mask on every backend, bit for bit. y = x * keep * scale with scale = 1 / (1 - p)
     as an fp32 number (fp64 for fp64 x), the product in fp32 (fp64), rounded once to x.dtype.
 dropout_bwd(dy, keep, p) -> dx
     dy contiguous; dx = dy * keep * scale with the same rounding (keep is saved by forward,
@@ -92,9 +92,7 @@ class _ReferenceImpl:
     @staticmethod
     def attention_dropout_mask(q, k, dropout_p, seed):
         B, H, Lq, _ = q.shape
-        Lk = k.shape[2]
-        g = torch.Generator(device=q.device).manual_seed(int(seed))
-        return torch.rand(B, H, Lq, Lk, generator=g, device=q.device) >= dropout_p
+        return reference.attention_dropout_keep(int(seed), dropout_p, B, H, Lq, k.shape[2], q.device)
 
     @classmethod
     def _keep(cls, q, k, dropout_p, seed):
@@ -184,8 +182,7 @@ class _ReferenceImpl:
 
     @classmethod
     def dropout_fwd(cls, x, p, seed):
-        g = torch.Generator(device=x.device).manual_seed(int(seed))
-        keep = torch.rand(x.shape, generator=g, device=x.device) >= p
+        keep = reference.dropout_keep(int(seed), p, x.shape, x.device)
         return cls.dropout_bwd(x, keep, p), keep
 
     @classmethod

@@ -27,6 +27,9 @@ __all__ = [
     "layer_norm",
     "add_layer_norm",
     "rms_norm",
+    "attention_dropout_keep",
+    "dropout_keep",
+    "philox4x32_10",
 ]
 
 
@@ -208,3 +211,72 @@ def rms_norm(
     if weight is not None:
         y = y * weight.to(y.dtype)
     return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Dropout keep-masks: csrc/philox.h's definitions, in torch integer arithmetic
+# --------------------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (Weyl sequence)
+FLAT_DOMAIN = 0x44524F50  # last counter word of elementwise dropout ("DROP")
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * m, for int64 a < 2^32 and m < 2^32, from 16-bit
+    halves (the 64-bit product itself would overflow int64)."""
+    ah, al = a >> 16, a & 0xFFFF
+    mh, ml = m >> 16, m & 0xFFFF
+    mid = ah * ml + al * mh
+    low = al * ml + ((mid & 0xFFFF) << 16)
+    return (ah * mh + (mid >> 16) + (low >> 32)) & _MASK32, low & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, seed: int) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of the counter words (int64 tensors of 32-bit values, broadcast
+    together) with the key (seed mod 2^32, seed div 2^32): the four output words."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(c0, _PHILOX_M[0])
+        hi1, lo1 = _mulhilo(c2, _PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p: float) -> int:
+    """round(p * 2^24): a word is kept when (word >> 8) >= threshold, P(keep) = 1 - p."""
+    t = float(p) * 16777216.0 + 0.5
+    return 16777216 if t >= 16777216.0 else int(t)
+
+
+def _keep(words: tuple[torch.Tensor, ...], n: int, p: float) -> torch.Tensor:
+    """Interleave the words of consecutive groups (group g gives elements 4g .. 4g+3) along
+    the last dim, keep the first n, compare."""
+    word = torch.stack(words, dim=-1).flatten(-2)[..., :n]
+    return (word >> 8) >= dropout_threshold(p)
+
+
+def attention_dropout_keep(seed: int, p: float, B: int, H: int, Lq: int, Lk: int,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+    """The (B, H, Lq, Lk) bool keep-mask of attention dropout: keep(b, h, i, j) is word j % 4
+    of Philox4x32-10 at the counter (j // 4, i, h, b), the mask every backend draws."""
+    def index(n, dim):
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(n, dtype=torch.int64, device=device).view(shape)
+
+    words = philox4x32_10(index((Lk + 3) // 4, 3), index(Lq, 2), index(H, 1), index(B, 0), seed)
+    return _keep(words, Lk, p)
+
+
+def dropout_keep(seed: int, p: float, shape, device: torch.device | str | None = None) -> torch.Tensor:
+    """The bool keep-mask of elementwise dropout over a tensor of ``shape`` (flat index e in
+    memory order): word e % 4 of Philox4x32-10 at (g mod 2^32, g div 2^32, 0, FLAT_DOMAIN),
+    g = e // 4, the mask every backend draws."""
+    n = math.prod(shape)
+    g = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    words = philox4x32_10(g & _MASK32, g >> 32, zero, zero + FLAT_DOMAIN, seed)
+    return _keep(words, n, p).view(shape)

@@ -107,6 +107,22 @@ def test_fp64_gradcheck(backend):
     assert torch.autograd.gradcheck(lambda t: fwd(t, 0.4, 11)[0], (x,))
 
 
+@pytest.mark.parametrize("shape", [(1,), (3, 7, 5), (4099,)])
+@pytest.mark.parametrize("seed", [0, 12345, 2**40 + 17])
+def test_reference_mask_is_philox_of_the_flat_index(shape, seed):
+    keep = backends.dropout_ops_for("reference")[0](torch.randn(shape), 0.35, seed)[1]
+    assert torch.equal(keep.flatten(), philox_keep(seed, 0.35, math.prod(shape)))
+
+
+@pytest.mark.parametrize("backend", backend_params("dropout"))
+def test_every_backend_draws_the_same_mask_for_a_seed(backend):
+    x = torch.randn(6, 41, device=DEVICE)
+    torch.manual_seed(9)
+    want = FT.dropout_mask(x, 0.3, backend="reference")
+    torch.manual_seed(9)
+    assert torch.equal(FT.dropout_mask(x, 0.3, backend=backend), want)
+
+
 # --------------------------------------------------------------------------------------
 # the CPU extension's generator, bit for bit
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from fasttrans import backends, functional, reference
 from fasttrans.functional import DeviceError, DTypeError, ShapeError
 
 from conftest import backend_params
-from helpers import make_float_mask
+from helpers import attention_keep, make_float_mask
 
 
 def _qkv(B=2, H=4, Hkv=2, Lq=5, Lk=7, D=8, dtype=torch.float32):
@@ -255,6 +255,20 @@ def test_dropout_debug_hook_reproduces_the_mask():
     assert abs((~keep).float().mean().item() - 0.4) < 0.1
     torch.manual_seed(4)
     assert not torch.equal(functional.attention_dropout_mask(q, k, 0.4), keep)
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_every_backend_draws_the_same_attention_dropout_mask(backend):
+    q, k, _ = _qkv(Lk=11)
+    torch.manual_seed(8)
+    with fasttrans.use_backend("reference"):
+        want = functional.attention_dropout_mask(q, k, 0.3)
+    torch.manual_seed(8)
+    with fasttrans.use_backend(backend):
+        assert torch.equal(functional.attention_dropout_mask(q, k, 0.3), want)
+    torch.manual_seed(8)
+    seed = functional._draw_seed(0.3)
+    assert torch.equal(want, attention_keep(seed, 0.3, 2, 4, 5, 11))  # the definition (csrc/philox.h)
 
 
 def test_attention_weights_are_the_softmax():
