@@ -141,9 +141,9 @@ def test_backend_pin_applies_inside_converted_modules(monkeypatch):
     seen = []
     select = backends.select_backend
 
-    def spy(op, device):
+    def spy(op, device, dtype=None):
         seen.append(backends.current_forced_backend())
-        return select(op, device)
+        return select(op, device, dtype)
 
     monkeypatch.setattr(backends, "select_backend", spy)
     _, _ = fasttrans.convert(model, backend="reference")
