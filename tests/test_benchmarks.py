@@ -260,14 +260,15 @@ def quick_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("benchmark", list(SCRIPTS))
-def test_quick_run_writes_sane_rows_and_plots(quick_results, benchmark):
+# (not named "benchmark": pytest-benchmark, where installed, claims that argument name)
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_quick_run_writes_sane_rows_and_plots(quick_results, script):
     out, runs = quick_results
-    proc = runs[benchmark]
-    assert proc.returncode == 0, f"{SCRIPTS[benchmark]} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = runs[script]
+    assert proc.returncode == 0, f"{SCRIPTS[script]} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     csvs = list(out.glob("*.csv"))
     assert len(csvs) == 1, csvs  # one file per device, every script appends to it
-    rows = [r for r in _read_csv(csvs[0]) if r["benchmark"] == benchmark]
+    rows = [r for r in _read_csv(csvs[0]) if r["benchmark"] == script]
     assert rows
     for r in rows:
         for k in NUMERIC:  # empty or a finite number: never NaN or inf standing in for a failure
@@ -302,7 +303,7 @@ def test_quick_run_writes_sane_rows_and_plots(quick_results, benchmark):
     assert {f"fasttrans-{n}" for n in backends.BACKENDS} <= providers
     assert any(r["sweep"] == "headline" for r in rows)
     assert "Headline" in proc.stdout
-    pngs = [p for p in out.glob("*.png") if f"_{benchmark}_" in p.name]
+    pngs = [p for p in out.glob("*.png") if f"_{script}_" in p.name]
     assert pngs, list(out.iterdir())
     for png in pngs:
         assert png.name.endswith("_quick.png")
