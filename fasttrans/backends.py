@@ -116,7 +116,7 @@ class _ReferenceImpl:
         # and dS is also the gradient of an additive float mask.
         B, H, Lq, D = q.shape
         group = H // k.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = reference.accumulation_dtype(q)
         p = reference.attention_probs(
             q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
             causal_offset=causal_offset, scale=scale,
@@ -145,7 +145,7 @@ class _ReferenceImpl:
     @staticmethod
     def norm_fwd(x, residual, weight, bias, eps, rms):
         h = x + residual if residual is not None else x
-        hf = h.to(torch.float64 if h.dtype == torch.float64 else torch.float32)
+        hf = h.to(reference.accumulation_dtype(h))
         if rms:
             mean = None
             rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
@@ -162,7 +162,7 @@ class _ReferenceImpl:
         #   dxhat = dy * w
         #   dh    = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   [LayerNorm]
         #   dh    = rstd * (dxhat - xhat * mean(dxhat * xhat))                 [RMSNorm]
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        acc = reference.accumulation_dtype(h)
         hf, dyf = h.to(acc), dy.to(acc)
         xhat = (hf if rms else hf - mean[:, None]) * rstd[:, None]
         dxhat = dyf * weight.to(acc) if weight is not None else dyf
@@ -177,7 +177,7 @@ class _ReferenceImpl:
 
     @staticmethod
     def _dropout_scale(x, p):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = reference.accumulation_dtype(x)
         return acc, torch.tensor(1.0 / (1.0 - p), dtype=acc).item()  # 1/(1-p) rounded to acc
 
     @classmethod
@@ -396,10 +396,6 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
 # --------------------------------------------------------------------------------------
 # torch.library registration: one set of ops per backend
 # --------------------------------------------------------------------------------------
-def _stats_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _none_to_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0) if t is None else t
 
@@ -441,7 +437,7 @@ def _make_python_ops(name: str):
         bias: torch.Tensor | None, eps: float, rms: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         y, h, mean, rstd = backend.impl().norm_fwd(x, residual, weight, bias, eps, rms)
-        stats = x.new_empty(0, dtype=_stats_dtype(x))
+        stats = x.new_empty(0, dtype=reference.accumulation_dtype(x))
         return y, _none_to_empty(h, x), _none_to_empty(mean, stats), rstd
 
     @custom_op(f"fasttrans::norm_bwd_{name}", mutates_args=())
@@ -476,14 +472,14 @@ def _register_fake_and_autograd(name: str) -> None:
     def _(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
         B, H, Lq, D = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-            (B, H, Lq), dtype=_stats_dtype(q)
+            (B, H, Lq), dtype=reference.accumulation_dtype(q)
         )
 
     @register_fake(f"fasttrans::attention_bwd_{name}")
     def _(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
           mask_grad):
         B, H, Lq, _ = q.shape
-        dmask = q.new_empty((B, H, Lq, k.shape[2]) if mask_grad else (0,), dtype=_stats_dtype(q))
+        dmask = q.new_empty((B, H, Lq, k.shape[2]) if mask_grad else (0,), dtype=reference.accumulation_dtype(q))
         return (torch.empty_like(q, memory_format=torch.contiguous_format),
                 torch.empty_like(k, memory_format=torch.contiguous_format),
                 torch.empty_like(v, memory_format=torch.contiguous_format), dmask)
@@ -491,7 +487,7 @@ def _register_fake_and_autograd(name: str) -> None:
     @register_fake(f"fasttrans::norm_fwd_{name}")
     def _(x, residual, weight, bias, eps, rms):
         M = x.shape[0]
-        stats = _stats_dtype(x)
+        stats = reference.accumulation_dtype(x)
         return (torch.empty_like(x, memory_format=torch.contiguous_format),
                 torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x.new_empty(0),
                 x.new_empty((M,) if not rms else (0,), dtype=stats),

@@ -355,7 +355,7 @@ def rms_norm(
     """
     shape = _validate_norm(x, normalized_shape, weight, None, eps)
     if eps is None:
-        eps = torch.finfo(reference._norm_stats_dtype(x)).eps
+        eps = torch.finfo(reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.rms_norm(x, shape, weight, eps)
     return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]

@@ -30,6 +30,7 @@ __all__ = [
     "attention_dropout_keep",
     "dropout_keep",
     "philox4x32_10",
+    "accumulation_dtype",
 ]
 
 
@@ -63,10 +64,13 @@ def allowed_mask(
     return allowed
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype statistics and sums are taken in: float64 for float64 tensors, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _compute_dtype(q: torch.Tensor, upcast: bool) -> torch.dtype:
-    if not upcast:
-        return q.dtype
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+    return accumulation_dtype(q) if upcast else q.dtype
 
 
 def _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast=True):
@@ -159,10 +163,6 @@ def attention(q, k, v, **kwargs) -> torch.Tensor:
     return attention_with_lse(q, k, v, **kwargs)[0]
 
 
-def _norm_stats_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def layer_norm(
     x: torch.Tensor,
     normalized_shape: tuple[int, ...],
@@ -172,7 +172,7 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics in fp32 (two-pass)."""
     dims = tuple(range(-len(normalized_shape), 0))
-    xf = x.to(_norm_stats_dtype(x))
+    xf = x.to(accumulation_dtype(x))
     mean = xf.mean(dim=dims, keepdim=True)
     var = (xf - mean).pow(2).mean(dim=dims, keepdim=True)  # centred: no E[x²]−E[x]² cancellation
     y = (xf - mean) * torch.rsqrt(var + eps)
@@ -205,8 +205,8 @@ def rms_norm(
     machine epsilon of the statistics' dtype (float32's for float16/bfloat16), as torch computes."""
     dims = tuple(range(-len(normalized_shape), 0))
     if eps is None:
-        eps = torch.finfo(_norm_stats_dtype(x)).eps
-    xf = x.to(_norm_stats_dtype(x))
+        eps = torch.finfo(accumulation_dtype(x)).eps
+    xf = x.to(accumulation_dtype(x))
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
