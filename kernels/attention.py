@@ -243,7 +243,6 @@ def _dropout_keep(seed, threshold, b, h, rows, cols):
     return (word >> 8).to(tl.int32) >= threshold  # 24-bit integers: exact on every device
 
 
-
 @triton.jit
 def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
     """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the load."""
@@ -589,18 +588,19 @@ def _attention_bwd_dkdv_kernel(
     Q_b = Q + off_b * stride_q_b
     DO_b = DO + off_b * stride_do_b
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
-    rng_b = off_b * H * Lq  # this batch's first row of lse and delta
+    rows_b = off_b * H * Lq  # this batch's first row of lse and delta
     head0 = off_hkv * GROUP
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, off_b,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
         head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rng_b, Delta + rng_b, cols, col_ok, d_ok, off_b,
-        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
+        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p,
+        dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
@@ -764,7 +764,8 @@ def _attention_dropout_mask_kernel(
     for start_n in range(0, Lk, BLOCK_N):
         cols = start_n + offs_n
         keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
-        tl.store(Keep + out_rows[:, None] + cols[None, :], keep.to(tl.uint8), mask=row_ok[:, None] & (cols < Lk)[None, :])
+        tl.store(Keep + out_rows[:, None] + cols[None, :], keep.to(tl.uint8),
+                 mask=row_ok[:, None] & (cols < Lk)[None, :])
 
 
 # --------------------------------------------------------------------------------------
