@@ -224,51 +224,6 @@ def test_decoding_step(ext, device):
 
 
 # ---------------------------------------------------------------------------------------
-# NaN: a row with a NaN score is NaN; a NaN at a hidden position stays hidden
-# ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
-def test_nan_scores_give_nan_rows_as_in_the_reference(ext, device):
-    # a row maximum that drops NaN (fmaxf, std::max) would make such rows look fully masked (0)
-    require_extension(device, "attention")
-    q, k, v = _qkv(2, 4, 2, 6, 40, 8, torch.float32, device)
-    mask = torch.zeros(2, 4, 6, 40, device=device)
-    q[0, 1, 2, 0] = float("nan")  # every score of row (0, 1, 2) is NaN ...
-    mask[0, 1, 2] = float("-inf")  # ... and stays NaN with -inf added (a float mask is not a replacement)
-    mask[1, 3, 4, 33] = float("nan")  # one score of row (1, 3, 4), past the first 32 keys
-    nan_rows = torch.zeros(2, 4, 6, dtype=torch.bool, device=device)
-    nan_rows[0, 1, 2] = nan_rows[1, 3, 4] = True
-    dout = torch.randn_like(q)
-    got = _run(_extension, q, k, v, dout, dict(attn_mask=mask))
-    want = _run(reference.attention, q, k, v, dout, dict(attn_mask=mask))
-    assert torch.equal(got[0].isnan().any(-1), nan_rows) and torch.equal(got[0].isnan().all(-1), nan_rows)
-    assert torch.equal(got[1].isnan().any(-1), nan_rows)  # dq
-    assert got[2][0, 1].isfinite().all() and got[2][1, 0].isfinite().all()  # dk of kv heads no NaN row sees
-    for name, g, r in zip(("out", "dq", "dk", "dv", "dmask"), got, want):
-        assert torch.equal(g.isnan(), r.isnan()), name
-        assert_close_lowp(name, g.nan_to_num(0.0), r.nan_to_num(0.0), None)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_nan_keys_at_hidden_positions_stay_hidden(ext, device):
-    # a hidden score is replaced by -inf (the reference's masked_fill), not added to: the NaN
-    # keys below change neither the output nor dK, dV (dQ takes 0 * NaN from them, as the
-    # reference's dS @ K does)
-    require_extension(device, "attention")
-    q, k, v = _qkv(2, 4, 2, 6, 40, 8, torch.float32, device)
-    k[:, :, 5] = float("nan")  # hidden by the bool mask
-    k[1, :, 30:] = float("nan")  # past key_lengths[1]
-    k[:, :, 39, 0] = float("nan")  # above the causal diagonal of every row (offset 30)
-    mask = torch.ones(6, 40, dtype=torch.bool, device=device)
-    mask[:, 5] = False
-    kw = dict(attn_mask=mask, key_lengths=torch.tensor([40, 30], device=device), is_causal=True, causal_offset=30)
-    dout = torch.randn_like(q)
-    out, _, dk, dv = _run(_extension, q, k, v, dout, kw)
-    want, _, want_dk, want_dv = _run(reference.attention, q, k, v, dout, kw)
-    for name, g, r in (("out", out, want), ("dk", dk, want_dk), ("dv", dv, want_dv)):
-        assert_close_lowp(name, g, r, None)  # finite, and the reference's numbers
-
-
-# ---------------------------------------------------------------------------------------
 # the backward's own inputs: no query rows, the shape of lse
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("q_shape", [(2, 3, 0, 8), (2, 0, 4, 8)], ids=["Lq0", "H0"])

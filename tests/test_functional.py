@@ -167,46 +167,58 @@ def test_norm_backward_takes_strided_gradients(backend):
                     torch.testing.assert_close(a, c, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("backend", backend_params("attention"))
-def test_nan_scores_give_nan_rows_as_in_the_reference(backend):
-    # a NaN score must not make its row look fully masked (output 0): the rows whose scores
-    # hold a NaN are NaN, forward and backward, the others are the reference's numbers
-    q, k, v = _qkv(Lq=6, Lk=40)
-    q[0, 1, 2, 0] = float("nan")  # every score of row (0, 1, 2) is NaN
-    mask = torch.zeros(6, 40)
-    mask[4, 33] = float("nan")  # one score of row 4, in the last key tile, in every head
-    inputs = [t.requires_grad_() for t in (q, k, v)]
+def _grads_vs_reference(backend, inputs, **kw):
+    """(out, grads) of fasttrans.attention on ``backend`` and of the reference, for the loss
+    sum(out * g) with a fixed random g, w.r.t. every tensor of ``inputs`` (q, k, v[, mask])."""
+    q, k, v, *mask = inputs
+    kw = dict(kw, attn_mask=mask[0]) if mask else kw
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.device)
     with fasttrans.use_backend(backend):
-        out = fasttrans.attention(*inputs, attn_mask=mask)
-        grads = torch.autograd.grad(out.sum(), inputs)
-    want = reference.attention(*inputs, attn_mask=mask)
-    want_grads = torch.autograd.grad(want.sum(), inputs)
-    nan_rows = torch.zeros(2, 4, 6, dtype=torch.bool)
+        out = fasttrans.attention(q, k, v, **kw)
+    want = reference.attention(q, k, v, **kw)
+    return (out, torch.autograd.grad((out * g).sum(), inputs)), (want, torch.autograd.grad((want * g).sum(), inputs))
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_nan_scores_give_nan_rows_as_in_the_reference(backend, device):
+    # a row maximum that drops NaN (std::max, fmaxf, max.f32) would make a row whose scores
+    # hold a NaN look fully masked (output 0): such rows are NaN, forward and backward, and
+    # the others are the reference's numbers
+    q, k, v = (t.to(device) for t in _qkv(Lq=6, Lk=40))
+    q[0, 1, 2, 0] = float("nan")  # every score of row (0, 1, 2) is NaN ...
+    mask = torch.zeros(6, 40, device=device)
+    mask[2] = float("-inf")  # ... and stays NaN with -inf added (a float mask is added, not a
+    # replacement), while row 2 of every other head is fully masked: 0
+    mask[4, 33] = float("nan")  # one score of row 4, in the last key tile, in every head
+    inputs = [t.requires_grad_() for t in (q, k, v, mask)]
+    (out, grads), (want, want_grads) = _grads_vs_reference(backend, inputs)
+    nan_rows = torch.zeros(2, 4, 6, dtype=torch.bool, device=device)
     nan_rows[0, 1, 2] = nan_rows[:, :, 4] = True
     assert torch.equal(out.isnan().all(-1), nan_rows) and torch.equal(out.isnan().any(-1), nan_rows)
+    assert torch.equal(grads[0].isnan().any(-1), nan_rows)  # dq
     torch.testing.assert_close(out, want, equal_nan=True)
-    assert torch.equal(grads[0].isnan().any(-1), nan_rows)
-    for a, b in zip(grads, want_grads):
-        assert torch.equal(a.isnan(), b.isnan())
-        torch.testing.assert_close(a.nan_to_num(0), b.nan_to_num(0))
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), grads, want_grads):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        torch.testing.assert_close(a.nan_to_num(0), b.nan_to_num(0), msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
-def test_nan_keys_at_hidden_positions_stay_hidden(backend):
+def test_nan_keys_at_hidden_positions_stay_hidden(backend, device):
     # as the reference's masked_fill: a key hidden by a bool mask, by key_lengths or by the
-    # causal mask contributes nothing, even when its score is NaN
-    q, k, v = _qkv(Lq=6, Lk=40)
+    # causal mask changes neither the output nor dK, dV, even when its score is NaN (dQ takes
+    # 0 * NaN from the bool-hidden one, as the reference's dS @ K does)
+    q, k, v = (t.to(device) for t in _qkv(Lq=6, Lk=40))
     k[:, :, 5] = float("nan")  # hidden by the bool mask below
     k[1, :, 30:] = float("nan")  # past key_lengths[1]
     k[:, :, 39, 0] = float("nan")  # above the causal diagonal for every row (offset 30)
-    mask = torch.ones(6, 40, dtype=torch.bool)
+    mask = torch.ones(6, 40, dtype=torch.bool, device=device)
     mask[:, 5] = False
-    kl = torch.tensor([40, 30])
-    with fasttrans.use_backend(backend):
-        out = fasttrans.attention(q, k, v, attn_mask=mask, key_lengths=kl, is_causal=True, causal_offset=30)
+    kw = dict(attn_mask=mask, key_lengths=torch.tensor([40, 30], device=device), is_causal=True, causal_offset=30)
+    (out, grads), (want, want_grads) = _grads_vs_reference(backend, [t.requires_grad_() for t in (q, k, v)], **kw)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, reference.attention(q, k, v, attn_mask=mask, key_lengths=kl, is_causal=True,
-                                                        causal_offset=30))
+    torch.testing.assert_close(out, want)
+    for name, a, b in zip(("dk", "dv"), grads[1:], want_grads[1:]):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
 
 def test_key_lengths_any_integer_dtype_and_mask_dtypes():
