@@ -246,8 +246,9 @@ def philox4x32_10(c0, c1, c2, c3, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def dropout_threshold(p: float) -> int:
-    """round(p * 2^24): a word is kept when (word >> 8) >= threshold, P(keep) = 1 - p."""
-    t = float(p) * 16777216.0 + 0.5
+    """round(p * 2^24), as csrc/philox.h's dropout_threshold: a word is kept when
+    (word >> 8) >= threshold, P(keep) = 1 - p."""
+    t = float(p) * 16777216.0 + 0.5  # the same double operations as the C++ code
     return 16777216 if t >= 16777216.0 else int(t)
 
 

@@ -67,8 +67,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fasttrans.reference import dropout_threshold
+
 from . import LAUNCH_OPTIONS
-from .dropout import dropout_threshold
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 

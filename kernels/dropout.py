@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fasttrans.reference import FLAT_DOMAIN, dropout_threshold
+
 from . import LAUNCH_OPTIONS
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
@@ -83,14 +85,8 @@ CONFIG = DropoutConfig(BLOCK=2048, num_warps=4)
 NUM_STAGES = 1  # no tl.dot: software pipelining has nothing to do
 # Last Philox counter word of elementwise dropout ("DROP", kFlatDomain in csrc/philox.h);
 # attention's dropout uses that word for the batch index, so the two never share counters.
-FLAT_DOMAIN = 0x44524F50
+# It and dropout_threshold are the definitions fasttrans.reference evaluates.
 _FLAT_DOMAIN = tl.constexpr(FLAT_DOMAIN)  # the kernels' copy (jit code reads only constexpr globals)
-
-
-def dropout_threshold(p: float) -> int:
-    """round(p · 2**24), as csrc/philox.h's dropout_threshold: keep = (word >> 8) >= threshold."""
-    t = float(p) * 16777216.0 + 0.5  # the same double operations as the C++ code
-    return 16777216 if t >= 16777216.0 else int(t)
 
 
 def dropout_scale(p: float) -> float:
