@@ -249,8 +249,9 @@ class MultiheadAttention(Module):
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
         H = self.num_heads
-        # the float mask dtypes torch's ops take: baddbmm (weights) the query's, scaled_dot_
-        # product_attention also float32; none when torch drops attn_mask under a causal hint
+        # the float mask dtypes torch's ops take: the query's for baddbmm (weights), also
+        # float32 for scaled_dot_product_attention; none when torch drops attn_mask under a
+        # causal hint
         if need_weights:
             mask_dtypes = (query.dtype,)
         elif is_causal and key_padding_mask is None:
