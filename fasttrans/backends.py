@@ -195,6 +195,47 @@ class _ReferenceImpl:
 # --------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------
+# Automatic selections are memoised per (op, device, dtype): every fasttrans call selects a
+# backend, and the checks behind a selection (device, implementation, dtype) cost a few
+# microseconds of Python per call. Anything that changes what they would answer (a backend
+# replaced in BACKENDS, a Backend's attribute set, a load attempted) clears the memo.
+_auto_selection: dict[tuple, "Backend"] = {}
+
+
+def _backends_changed() -> None:
+    _auto_selection.clear()
+
+
+class _Registry(dict):
+    """BACKENDS: a dict that clears the selection memo when an entry changes."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _backends_changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _backends_changed()
+
+    def _changing(method):  # noqa: N805 - wraps the other mutating dict methods
+        def wrapper(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _backends_changed()
+
+        wrapper.__name__ = method.__name__
+        return wrapper
+
+    update = _changing(dict.update)
+    pop = _changing(dict.pop)
+    popitem = _changing(dict.popitem)
+    setdefault = _changing(dict.setdefault)
+    clear = _changing(dict.clear)
+    __ior__ = _changing(dict.__ior__)
+    del _changing
+
+
 @dataclasses.dataclass
 class Backend:
     """One backend: how to find its implementation and whether it can run on a device."""
@@ -205,6 +246,10 @@ class Backend:
     fp64_devices: tuple[str, ...] | None = None  # device types with float64 kernels; None: all
     _impl: object | None = None
     _load_error: str | None = None
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        _backends_changed()
 
     def impl(self):
         """The implementation object; raises BackendUnavailableError if it cannot be loaded."""
@@ -306,11 +351,11 @@ def _load_extension():
     return ext.load()
 
 
-BACKENDS: dict[str, Backend] = {
+BACKENDS: dict[str, Backend] = _Registry({
     "triton": Backend("triton", _load_triton, _triton_check, fp64_devices=()),
     "extension": Backend("extension", _load_extension, _extension_check, fp64_devices=("cpu",)),
     "reference": Backend("reference", lambda: _ReferenceImpl(), lambda device: None),
-}
+})
 
 
 def get_backend(name: str) -> Backend:
@@ -369,14 +414,25 @@ def _preference(device: torch.device) -> tuple[str, ...]:
 def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
     """The backend that runs ``op`` on ``device`` for inputs of ``dtype``: the forced one, or
     the best available (a forced backend without kernels for the dtype raises its own error)."""
-    device = torch.device(device)
     forced = current_forced_backend()
-    if forced is not None:
+    if forced is None:
+        backend = _auto_selection.get((op, device, dtype))
+        if backend is not None:
+            return backend
+    key = (op, device, dtype)
+    device = torch.device(device)
+    if forced is not None:  # checked on every call: its checks may read the environment
         backend = BACKENDS[forced]
         why = backend.unavailable_reason(device, op)
         if why is not None:
             raise BackendUnavailableError(f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
         return backend
+    backend = _select_automatic(op, device, dtype)
+    _auto_selection[key] = backend
+    return backend
+
+
+def _select_automatic(op: str, device: torch.device, dtype: torch.dtype | None) -> Backend:
     preference = _preference(device)
     for name in preference:
         backend = BACKENDS[name]
@@ -567,6 +623,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
 
 _registered: set[str] = set()
+_op_handles: dict[str, tuple] = {}
 
 
 def ops_for(name: str):
@@ -575,6 +632,9 @@ def ops_for(name: str):
     Registers them on first use. The extension's ops come from its C++ library (loaded by
     BACKENDS['extension'].impl()); Python backends are defined here.
     """
+    handles = _op_handles.get(name)
+    if handles is not None:
+        return handles
     if name not in _registered:
         if name == "extension":
             BACKENDS[name].impl()  # loads the compiled library that defines the schemas
@@ -583,8 +643,10 @@ def ops_for(name: str):
         _register_fake_and_autograd(name)
         _registered.add(name)
     ns = torch.ops.fasttrans
-    return (getattr(ns, f"attention_fwd_{name}"), getattr(ns, f"attention_bwd_{name}"),
-            getattr(ns, f"norm_fwd_{name}"), getattr(ns, f"norm_bwd_{name}"))
+    handles = (getattr(ns, f"attention_fwd_{name}"), getattr(ns, f"attention_bwd_{name}"),
+               getattr(ns, f"norm_fwd_{name}"), getattr(ns, f"norm_bwd_{name}"))
+    _op_handles[name] = handles
+    return handles
 
 
 def dropout_ops_for(name: str):

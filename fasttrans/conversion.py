@@ -19,7 +19,6 @@ import copy
 import functools
 import warnings
 
-import torch
 from torch import nn
 
 from . import backends

@@ -285,15 +285,20 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
     return shape
 
 
+# The norms are called once per layer with small rows in decoding loops: the glue below
+# skips the reshapes and views that would be identities (each costs about a microsecond).
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """(M, N) view of t (a copy only when the trailing dims cannot be flattened)."""
-    return backends.last_dim_unit_stride(t.reshape(-1, n))
+    if t.dim() != 2 or t.shape[1] != n:
+        t = t.reshape(-1, n)
+    return backends.last_dim_unit_stride(t)
 
 
 def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
     if p is None:
         return None
-    p = p.reshape(-1)
+    if p.dim() != 1:
+        p = p.reshape(-1)
     return p if p.dtype in (x.dtype, torch.float32) else p.to(x.dtype)
 
 
@@ -303,7 +308,13 @@ def _norm(x, residual, weight, bias, eps, rms, n):
         _rows(x, n), None if residual is None else _rows(residual, n),
         _param(weight, x), _param(bias, x), float(eps), rms,
     )
-    return y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+    if x.dim() != 2 or x.shape[1] != n:
+        shape = x.shape
+        y = y.view(shape)
+        h = h.view(shape) if residual is not None else None
+    elif residual is None:
+        h = None
+    return y, h
 
 
 def layer_norm(

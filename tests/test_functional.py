@@ -292,7 +292,7 @@ def test_attention_weights_are_the_softmax():
     torch.testing.assert_close(w, expected)
 
 
-@pytest.mark.parametrize("shape,ns", [((3, 7), (7,)), ((2, 3, 4, 5), (4, 5))])
+@pytest.mark.parametrize("shape,ns", [((3, 7), (7,)), ((2, 3, 4, 5), (4, 5)), ((3, 4), (3, 4)), ((6,), (6,))])
 def test_norms_match_torch_with_gradients(shape, ns):
     x = torch.randn(shape, requires_grad=True)
     w = torch.randn(ns, requires_grad=True)
@@ -367,6 +367,43 @@ def test_automatic_fallback_warns_once(monkeypatch):
     with fasttrans.use_backend("extension"):
         with pytest.raises(backends.BackendUnavailableError, match="compiler missing"):
             fasttrans.attention(q, k, v)
+
+
+def test_automatic_selection_is_memoised_until_a_backend_changes(monkeypatch):
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    x = torch.randn(3, 8)
+    first = backends.select_backend("norm", "cpu", torch.float32)
+    assert backends.select_backend("norm", "cpu", torch.float32) is first
+    calls = []
+
+    def check(device):
+        calls.append(device)
+        return "switched off for this test"
+
+    # a replaced registry entry is seen by the next call
+    monkeypatch.setattr(backends, "_warned", set())
+    off = backends.Backend("extension", backends.BACKENDS["extension"]._load, check)
+    monkeypatch.setitem(backends.BACKENDS, "extension", off)
+    with pytest.warns(RuntimeWarning, match="switched off for this test"):
+        torch.testing.assert_close(fasttrans.layer_norm(x, (8,)), F.layer_norm(x, (8,)))
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "reference"
+    fasttrans.layer_norm(x, (8,))
+    assert len(calls) == 1  # memoised: the check ran once for three calls
+    # so is an attribute set on a Backend
+    monkeypatch.setattr(off, "_check", lambda device: None)
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "extension"
+    monkeypatch.undo()
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    assert backends.select_backend("norm", "cpu", torch.float32) is first
+
+
+def test_a_forced_backend_is_checked_on_every_call(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FASTTRANS_BACKEND", "triton")
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(backends.BackendUnavailableError, match="interpreter"):
+        backends.select_backend("norm", "cpu", torch.float32)
 
 
 def test_automatic_selection_skips_a_backend_without_kernels_for_the_dtype(monkeypatch):
