@@ -219,28 +219,63 @@ struct Rows {
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
+// K^T, the K-major B operand of S = Q K^T, comes either from one transposed copy of K made
+// per call, or, when a head has a single query block, from each tile of K transposed into
+// an L1-resident buffer as it is visited. The copy pays once per call for every query block
+// of a head; with one block per head nothing amortises it and it only adds a round trip of
+// K through memory: with a single query (incremental decoding, B=4 H=8 Lk=1024 D=64) the
+// copy took ~25 times the rest of the forward.
+//
+// A block of at most kFwdDotRows query rows takes its scores as dot products with the rows
+// of K and transposes nothing: a dot product costs a horizontal sum per score, a 16 x 16
+// in-register transpose ~4 shuffles per element of K, so below a few rows the dots win
+// (measured at Lk = 91 and 1024, D = 64: dots faster up to 4 rows, even at 6, slower at 8).
+constexpr int64_t kFwdDotRows = 4;
+
+bool fwd_transposes_tiles(int64_t Lq) {
+  return tile_for(Lq, kFwdBlockM) >= Lq;
+}
+
+// dst (D x bn, leading dimension ld_dst) = the bn x D rows of src (leading dimension ld_src)
+// transposed, in kTile x kTile in-register blocks.
+template <typename T>
+void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t bn, int64_t D) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < bn; r0 += kTile) {
+    for (int64_t c0 = 0; c0 < D; c0 += kTile) {
+      at::vec::transpose_mxn<T>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst,
+                                static_cast<int>(std::min(kTile, bn - r0)), static_cast<int>(std::min(kTile, D - c0)));
+    }
+  }
+}
+
+// kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D) when fwd_transposes_tiles(Lq),
+// else the transposed copy (B, Hkv, D, Lk).
 template <typename scalar_t>
-void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Tensor& kt, const at::Tensor& vn,
+void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Tensor& kn, const at::Tensor& vn,
                           at::Tensor& out, at::Tensor& lse) {
   using T = acc_t<scalar_t>;
   const int64_t D = p.D, Lk = p.Lk;
   const int64_t BM = tile_for(p.Lq, kFwdBlockM);
   const int64_t BN = kFwdBlockN;
   const int64_t n_qb = (p.Lq + BM - 1) / BM;
+  const bool tile_transpose = fwd_transposes_tiles(p.Lq);
 
   const Rows<const scalar_t> q_rows(q);
-  const T* kt_data = kt.data_ptr<T>();  // (B, Hkv, D, Lk)
+  const T* kt_data = tile_transpose ? nullptr : kn.data_ptr<T>();  // (B, Hkv, D, Lk)
+  const Rows<const T> k_rows(kn);                                    // (B, Hkv, Lk, D)
   const Rows<const T> v_rows(vn);
   const int64_t ld_v = vn.stride(2);
   const Rows<scalar_t> out_rows(out);
   T* lse_data = lse.data_ptr<T>();  // (B, H, Lq)
 
   struct Scratch {
-    std::vector<T> q, s, o, m, l, row;
+    std::vector<T> q, kt, s, o, m, l, row;
   };
   auto make_scratch = [&] {
     Scratch s;
     s.q.resize(BM * D);
+    s.kt.resize(tile_transpose ? D * BN : 0);
     s.s.resize(BM * BN);
     s.o.resize(BM * D);
     s.m.resize(BM);
@@ -270,11 +305,21 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
     std::fill(s.m.begin(), s.m.end(), neg_inf<T>());
     std::fill(s.l.begin(), s.l.end(), T(0));
     std::fill(s.o.begin(), s.o.end(), T(0));
-    const T* kt_head = kt_data + (b * p.Hkv + hk) * D * Lk;
+    const T* kt_head = tile_transpose ? nullptr : kt_data + (b * p.Hkv + hk) * D * Lk;
 
     for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
       const int64_t bn = std::min(BN, kv_end - j0);
-      gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);  // S = (scale Q) K^T
+      if (tile_transpose && bm <= kFwdDotRows) {
+        for (int64_t c = 0; c < bn; ++c) {
+          const T* kc = k_rows(b, hk, j0 + c);
+          for (int64_t r = 0; r < bm; ++r) s.s[r * BN + c] = dot(s.q.data() + r * D, kc, D);
+        }
+      } else if (tile_transpose) {
+        transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
+        gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = (scale Q) K^T
+      } else {
+        gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);
+      }
 
       if (p.mask) {
         for (int64_t r = 0; r < bm; ++r) {
@@ -542,10 +587,10 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
   at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
   if (out.numel() == 0) return {out, lse};
-  const at::Tensor kt = transposed_copy(k, acc);  // (B, Hkv, D, Lk): the K-major B operand of S = Q K^T
+  const at::Tensor kn = fwd_transposes_tiles(p.Lq) ? rows_as(k, acc) : transposed_copy(k, acc);
   const at::Tensor vn = rows_as(v, acc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_fwd_extension", [&] {
-    attention_fwd_kernel<scalar_t>(p, q, kt, vn, out, lse);
+    attention_fwd_kernel<scalar_t>(p, q, kn, vn, out, lse);
   });
   return {out, lse};
 }

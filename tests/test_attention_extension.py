@@ -111,9 +111,15 @@ MASK_KINDS = [
 ]
 # (B, H, Hkv, Lq, Lk, D): length 1, primes near block edges (the CPU tiles are 64 x 128 / 64 x 64,
 # and a sequence of up to 96 is one tile: 96 x 91 is the largest single tile), grouped-query
-# heads, head dims from 8 to 256
+# heads, head dims from 8 to 256. The CPU forward takes the scores of a single block of up to
+# 4 query rows as dot products, of a single larger block through per-tile transposes of K, and
+# of several blocks from a transposed copy of K: a few decoding-sized queries against several
+# key tiles, and 130 = 64 + 64 + 2 rows (a last block of two rows next to full ones).
 SHAPES = [
     (1, 1, 1, 1, 1, 8),
+    (2, 4, 2, 1, 300, 64),
+    (2, 2, 1, 4, 129, 40),
+    (1, 2, 1, 130, 40, 16),
     (2, 4, 2, 17, 97, 40),
     (2, 2, 1, 97, 17, 64),
     (1, 3, 3, 65, 130, 24),
@@ -134,6 +140,7 @@ def test_matches_reference_fp32(ext, device, kind, shape):
 
 LOWP_CASES = [
     ("none", (2, 4, 2, 97, 70, 64)),
+    ("bool+key_lengths+causal_bottom_right", (2, 4, 2, 3, 150, 64)),
     ("float", (2, 2, 1, 33, 97, 40)),
     ("bool+key_lengths+causal_bottom_right", (2, 4, 2, 70, 97, 64)),
     ("float_bcast+key_lengths+causal", (1, 2, 2, 97, 33, 128)),
