@@ -184,7 +184,7 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
       }
       T* out = d + bh * C * R + r0;
       for (int64_t c0 = 0; c0 < C; c0 += kTile) {
-        at::vec::transpose_mxn<T>(rows + c0, ld, out + c0 * R, R, static_cast<int>(rn),
+        transpose_upto16<T>(rows + c0, ld, out + c0 * R, R, static_cast<int>(rn),
                                   static_cast<int>(std::min(kTile, C - c0)));
       }
     }
@@ -243,7 +243,7 @@ void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_
   constexpr int64_t kTile = 16;
   for (int64_t r0 = 0; r0 < bn; r0 += kTile) {
     for (int64_t c0 = 0; c0 < D; c0 += kTile) {
-      at::vec::transpose_mxn<T>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst,
+      transpose_upto16<T>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst,
                                 static_cast<int>(std::min(kTile, bn - r0)), static_cast<int>(std::min(kTile, D - c0)));
     }
   }
