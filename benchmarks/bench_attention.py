@@ -10,6 +10,10 @@ Sweeps (select with --sweep):
               the inputs.
     sweep     sequence length x head dim (64, 128) x mask kind x {fwd, fwd+bwd}; CPU goes to
               L=2048 (B*L = 1024 tokens, H=4), CUDA to L=8192 (B*L = 16384, H*D = 2048).
+    short     short queries, float32, D=64: the seq2seq model's attention in training (B=64
+              H=4: encoder 91 x 91 with key padding, decoder 9 x 9 causal, cross-attention
+              9 x 91) and incremental decoding (one query against 100 and 1024 cached keys),
+              forward and forward+backward (decoding: forward only).
 
 Providers: fasttrans-<backend> for every registered backend (forced with
 fasttrans.use_backend), torch (F.scaled_dot_product_attention with the equivalent mask:
@@ -88,13 +92,14 @@ def mask_arguments(mask: str, B: int, Lq: int, Lk: int, dtype: torch.dtype, devi
     raise ValueError(f"mask: expected one of {', '.join(MASKS)}, got {mask!r}")
 
 
-def attention_inputs(B, H, L, D, mask, mode, dtype, device):
+def attention_inputs(B, H, Lq, Lk, D, mask, mode, dtype, device):
     def build():
         torch.manual_seed(0)
         grad = mode == "fwd+bwd"
-        q, k, v = (torch.randn(B, H, L, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
-        ft, th = mask_arguments(mask, B, L, L, dtype, device)
-        dout = torch.randn(B, H, L, D, device=device, dtype=dtype) if grad else None
+        q = torch.randn(B, H, Lq, D, device=device, dtype=dtype, requires_grad=grad)
+        k, v = (torch.randn(B, H, Lk, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+        ft, th = mask_arguments(mask, B, Lq, Lk, dtype, device)
+        dout = torch.randn(B, H, Lq, D, device=device, dtype=dtype) if grad else None
         return types.SimpleNamespace(q=q, k=k, v=v, dout=dout, ft=ft, torch=th)
 
     return build
@@ -152,13 +157,18 @@ def attention_entries(bench: common.Bench, mode: str, ref_skip: str | None) -> l
     return entries
 
 
-def attention_config(bench, sweep, B, H, L, D, mask, mode, dtype, case="", measure="time") -> Config:
+def attention_config(bench, sweep, B, H, L, D, mask, mode, dtype, case="", measure="time", Lk=None) -> Config:
+    """Lq = L queries against Lk (default L) keys; causal masks need Lq == Lk (SDPA's is_causal
+    and fasttrans' causal_offset=0 then mean the same)."""
+    Lk = L if Lk is None else Lk
+    if mask == "causal" and Lk != L:
+        raise ValueError(f"causal: expected Lq == Lk, got {L} and {Lk}")
     return Config(
         sweep=sweep, case=case, op="attention", mode=mode, dtype=dtype,
-        params={"B": B, "H": H, "Lq": L, "Lk": L, "D": D, "mask": mask},
-        inputs=attention_inputs(B, H, L, D, mask, mode, dtype, bench.device),
-        entries=attention_entries(bench, mode, reference_skip(bench.device, B, H, L, L, dtype, bench.quick)),
-        work=attention_flops(B, H, L, L, D, mask == "causal", mode) if measure != "memory" else None,
+        params={"B": B, "H": H, "Lq": L, "Lk": Lk, "D": D, "mask": mask},
+        inputs=attention_inputs(B, H, L, Lk, D, mask, mode, dtype, bench.device),
+        entries=attention_entries(bench, mode, reference_skip(bench.device, B, H, L, Lk, dtype, bench.quick)),
+        work=attention_flops(B, H, L, Lk, D, mask == "causal", mode) if measure != "memory" else None,
         work_unit="FLOP", measure=measure,
     )
 
@@ -223,6 +233,20 @@ def mha_config(bench, B, L, E, H, dtype) -> Config:
 # --------------------------------------------------------------------------------------
 # what runs
 # --------------------------------------------------------------------------------------
+def short_shapes(quick: bool) -> list[tuple]:
+    """(case, B, H, Lq, Lk, mask, modes) of the short-query sweep (D = 64)."""
+    if quick:
+        return [("decode 1 x 100", 2, 4, 1, 100, "none", ("fwd",)),
+                ("cross 9 x 91", 2, 4, 9, 91, "none", MODES)]
+    return [
+        ("encoder 91 x 91", 64, 4, 91, 91, "key_padding", MODES),
+        ("decoder 9 x 9", 64, 4, 9, 9, "causal", MODES),
+        ("cross 9 x 91", 64, 4, 9, 91, "key_padding", MODES),
+        ("decode 1 x 100", 8, 4, 1, 100, "none", ("fwd",)),
+        ("decode 1 x 1024", 4, 8, 1, 1024, "none", ("fwd",)),
+    ]
+
+
 def sweep_shapes(device: str, quick: bool) -> list[tuple[int, int, int, int]]:
     """(B, H, L, D) of the sweep."""
     if device == "cuda":
@@ -261,6 +285,10 @@ def configs(bench: common.Bench, masks, modes, seq_lens, head_dims):
             for mask in MASKS:
                 if keep(L, D, mask, mode):
                     yield attention_config(bench, "sweep", B, H, L, D, mask, mode, bench.args.dtype)
+    for case, B, H, Lq, Lk, mask, modes_of_case in short_shapes(quick):
+        for mode in modes_of_case:
+            if keep(Lq, 64, mask, mode):
+                yield attention_config(bench, "short", B, H, Lq, 64, mask, mode, fp32, case=f"{case} {mode}", Lk=Lk)
 
 
 def main(argv=None) -> int:
@@ -281,6 +309,10 @@ def main(argv=None) -> int:
 
     bench.plot_lines("sweep", "sweep", x="Lq", panels=("mode", "mask"), series=("D",),
                      title=f"attention throughput ({common.dtype_name(args.dtype)}, higher is better)")
+    short = [r for r in bench.results if r.config.sweep == "short"]
+    bench.plot_bars("short", [
+        ("speedup vs torch (median / median, providers interleaved in one run)", short, "speedup"),
+    ], title="attention: short queries (float32, D=64)")
     timed = [r for r in bench.results if r.config.sweep == "headline"]
     memory = [r for r in bench.results if r.config.sweep == "memory"]
     bench.plot_bars("headline", [

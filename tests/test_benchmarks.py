@@ -183,6 +183,13 @@ def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
     assert {int(line.split("Lq=")[1].split()[0]) for line in sweep} == {128, 256, 512, 1024, 2048}
     assert {line.split("D=")[1].split()[0] for line in sweep} == {"64", "128"}
     assert {line.split("mask=")[1] for line in sweep} == set(bench_attention.MASKS)
+    short = {line.split("] ", 1)[1] for line in lines if line.startswith("[attention short ")}
+    assert short >= {  # the seq2seq model's attention in training, and incremental decoding
+        "attention fwd+bwd float32 B=64 H=4 Lq=91 Lk=91 D=64 mask=key_padding",
+        "attention fwd+bwd float32 B=64 H=4 Lq=9 Lk=9 D=64 mask=causal",
+        "attention fwd+bwd float32 B=64 H=4 Lq=9 Lk=91 D=64 mask=key_padding",
+        "attention fwd float32 B=4 H=8 Lq=1 Lk=1024 D=64 mask=none",
+    }, short
 
     lines = _listed(capsys, bench_layernorm)
     assert any(line.endswith("] layer_norm fwd float32 M=4096 N=1024") for line in lines)
