@@ -622,8 +622,7 @@ def _register_fake_and_autograd(name: str) -> None:
     register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
 
 
-_registered: set[str] = set()
-_op_handles: dict[str, tuple] = {}
+_op_handles: dict[str, tuple] = {}  # per backend, once its ops are registered
 
 
 def ops_for(name: str):
@@ -635,13 +634,11 @@ def ops_for(name: str):
     handles = _op_handles.get(name)
     if handles is not None:
         return handles
-    if name not in _registered:
-        if name == "extension":
-            BACKENDS[name].impl()  # loads the compiled library that defines the schemas
-        else:
-            _make_python_ops(name)
-        _register_fake_and_autograd(name)
-        _registered.add(name)
+    if name == "extension":
+        BACKENDS[name].impl()  # loads the compiled library that defines the schemas
+    else:
+        _make_python_ops(name)
+    _register_fake_and_autograd(name)
     ns = torch.ops.fasttrans
     handles = (getattr(ns, f"attention_fwd_{name}"), getattr(ns, f"attention_bwd_{name}"),
                getattr(ns, f"norm_fwd_{name}"), getattr(ns, f"norm_bwd_{name}"))
