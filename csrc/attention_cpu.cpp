@@ -154,10 +154,23 @@ at::Tensor rows_as(const at::Tensor& t, at::ScalarType acc) {
   return t.scalar_type() == acc ? rows_in_place(t) : dense_copy(t, acc);
 }
 
+// dst (D x bn, leading dimension ld_dst) = the bn x D rows of src (leading dimension ld_src)
+// transposed, in kTile x kTile in-register blocks (see transpose_upto16).
+template <typename T>
+void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t bn, int64_t D) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < bn; r0 += kTile) {
+    for (int64_t c0 = 0; c0 < D; c0 += kTile) {
+      transpose_upto16<T>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst,
+                          static_cast<int>(std::min(kTile, bn - r0)), static_cast<int>(std::min(kTile, D - c0)));
+    }
+  }
+}
+
 // dst[b, h, c, r] = src[b, h, r, c] for a (B, H, R, C) src with unit inner stride and a
 // contiguous (B, H, C, R) dst, converting the dtype on the way (rows are converted first,
 // then transposed in the dst dtype). In parallel over (b, h, block of kTile rows); each
-// kTile x kTile tile is one in-register transpose (at::vec::transpose_mxn).
+// kTile x kTile tile is one in-register transpose (transpose_tile).
 template <typename S, typename T>
 void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
   constexpr int64_t kTile = 16;
@@ -182,11 +195,7 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
         rows = converted.data();
         ld = C;
       }
-      T* out = d + bh * C * R + r0;
-      for (int64_t c0 = 0; c0 < C; c0 += kTile) {
-        transpose_upto16<T>(rows + c0, ld, out + c0 * R, R, static_cast<int>(rn),
-                                  static_cast<int>(std::min(kTile, C - c0)));
-      }
+      transpose_tile(rows, ld, d + bh * C * R + r0, R, rn, C);
     }
   });
 }
@@ -224,7 +233,7 @@ struct Rows {
 // an L1-resident buffer as it is visited. The copy pays once per call for every query block
 // of a head; with one block per head nothing amortises it and it only adds a round trip of
 // K through memory: with a single query (incremental decoding, B=4 H=8 Lk=1024 D=64) the
-// copy took ~25 times the rest of the forward.
+// copy's transposes took 27% of a perf profile's samples, the rest of the forward 1.4%.
 //
 // A block of at most kFwdDotRows query rows takes its scores as dot products with the rows
 // of K and transposes nothing: a dot product costs a horizontal sum per score, a 16 x 16
@@ -234,19 +243,6 @@ constexpr int64_t kFwdDotRows = 4;
 
 bool fwd_transposes_tiles(int64_t Lq) {
   return tile_for(Lq, kFwdBlockM) >= Lq;
-}
-
-// dst (D x bn, leading dimension ld_dst) = the bn x D rows of src (leading dimension ld_src)
-// transposed, in kTile x kTile in-register blocks.
-template <typename T>
-void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_t bn, int64_t D) {
-  constexpr int64_t kTile = 16;
-  for (int64_t r0 = 0; r0 < bn; r0 += kTile) {
-    for (int64_t c0 = 0; c0 < D; c0 += kTile) {
-      transpose_upto16<T>(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst,
-                                static_cast<int>(std::min(kTile, bn - r0)), static_cast<int>(std::min(kTile, D - c0)));
-    }
-  }
 }
 
 // kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D) when fwd_transposes_tiles(Lq),
