@@ -415,20 +415,16 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
     """The backend that runs ``op`` on ``device`` for inputs of ``dtype``: the forced one, or
     the best available (a forced backend without kernels for the dtype raises its own error)."""
     forced = current_forced_backend()
-    if forced is None:
-        backend = _auto_selection.get((op, device, dtype))
-        if backend is not None:
-            return backend
-    key = (op, device, dtype)
-    device = torch.device(device)
     if forced is not None:  # checked on every call: its checks may read the environment
         backend = BACKENDS[forced]
         why = backend.unavailable_reason(device, op)
         if why is not None:
             raise BackendUnavailableError(f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
         return backend
-    backend = _select_automatic(op, device, dtype)
-    _auto_selection[key] = backend
+    key = (op, device, dtype)
+    backend = _auto_selection.get(key)
+    if backend is None:
+        backend = _auto_selection[key] = _select_automatic(op, torch.device(device), dtype)
     return backend
 
 

@@ -308,12 +308,11 @@ def _norm(x, residual, weight, bias, eps, rms, n):
         _rows(x, n), None if residual is None else _rows(residual, n),
         _param(weight, x), _param(bias, x), float(eps), rms,
     )
-    if x.dim() != 2 or x.shape[1] != n:
-        shape = x.shape
-        y = y.view(shape)
-        h = h.view(shape) if residual is not None else None
-    elif residual is None:
+    if residual is None:
         h = None
+    if x.dim() != 2 or x.shape[1] != n:
+        y = y.view(x.shape)
+        h = None if h is None else h.view(x.shape)
     return y, h
 
 
