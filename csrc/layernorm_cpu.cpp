@@ -462,7 +462,12 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
         const T* dhr[kRowGroup];
         T mu[kRowGroup], rs[kRowGroup], mean_g[kRowGroup], mean_gx[kRowGroup];
 
-        // pass 1, per row: mean(g) and mean(g * xhat) with g = dy * w, xhat = (h - mean) * rstd
+        // pass 1, per row: mean(g) and mean(g * xhat) with g = dy * w, xhat = (h - mean) * rstd.
+        // LayerNorm also takes mean(xhat), 0 in exact arithmetic: the stored mean's rounding
+        // error shifts every xhat by it, and dx is taken with xhat - mean(xhat) (see norm_bwd
+        // in fasttrans/backends.py for the error this removes). dw keeps the shifted xhat, as
+        // torch's does: there the shift is a relative error of δ·rstd with no cancellation
+        // to magnify it, and leaving it out of pass 2 keeps that pass's loads as they were.
         for (int64_t r = 0; r < G; ++r) {
           const int64_t i = i0 + r;
           if constexpr (kSame) {
@@ -482,8 +487,9 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
           }
           mu[r] = rms ? T(0) : mean_data[i];
           rs[r] = rstd_data[i];
-          const Vec<T> vmu(mu[r]), vrs(rs[r]);
-          Vec<T> sg0(T(0)), sg1(T(0)), sgx0(T(0)), sgx1(T(0));
+          // sums of g, of d = h - mean and of g * d; rstd scales the last two once at the end
+          const Vec<T> vmu(mu[r]);
+          Vec<T> sg0(T(0)), sg1(T(0)), sgd0(T(0)), sgd1(T(0)), sd0(T(0)), sd1(T(0));
           int64_t k = 0;
           for (; k + 2 * W <= N; k += 2 * W) {
             Vec<T> g0 = Vec<T>::loadu(dyr[r] + k), g1 = Vec<T>::loadu(dyr[r] + k + W);
@@ -491,23 +497,36 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
               g0 = g0 * Vec<T>::loadu(w_data + k);
               g1 = g1 * Vec<T>::loadu(w_data + k + W);
             }
+            const Vec<T> d0 = Vec<T>::loadu(hr[r] + k) - vmu;
+            const Vec<T> d1 = Vec<T>::loadu(hr[r] + k + W) - vmu;
             sg0 = sg0 + g0;
             sg1 = sg1 + g1;
-            sgx0 = at::vec::fmadd(g0, (Vec<T>::loadu(hr[r] + k) - vmu) * vrs, sgx0);
-            sgx1 = at::vec::fmadd(g1, (Vec<T>::loadu(hr[r] + k + W) - vmu) * vrs, sgx1);
+            sd0 = sd0 + d0;
+            sd1 = sd1 + d1;
+            sgd0 = at::vec::fmadd(g0, d0, sgd0);
+            sgd1 = at::vec::fmadd(g1, d1, sgd1);
           }
-          T sum_g = lane_sum(sg0 + sg1), sum_gx = lane_sum(sgx0 + sgx1);
+          T sum_g = lane_sum(sg0 + sg1), sum_gd = lane_sum(sgd0 + sgd1), sum_d = lane_sum(sd0 + sd1);
           for (; k < N; ++k) {
             const T g = w_data ? dyr[r][k] * w_data[k] : dyr[r][k];
+            const T d = hr[r][k] - mu[r];
             sum_g += g;
-            sum_gx += g * ((hr[r][k] - mu[r]) * rs[r]);
+            sum_d += d;
+            sum_gd += g * d;
           }
-          mean_g[r] = rms ? T(0) : sum_g * inv_n;
-          mean_gx[r] = sum_gx * inv_n;
+          // with the re-centred xhat - mean(xhat), and xhat as computed in pass 2:
+          //   mean(g * (xhat - mean(xhat))) = mean(g * xhat) - mean(xhat) * mean(g)
+          //   dx = rstd * (g - mean(g) - (xhat - mean(xhat)) * mean_gx)
+          //      = rstd * (g - (mean(g) - mean(xhat) * mean_gx) - xhat * mean_gx)
+          // so the correction folds into the per-row constant mean_g.
+          const T mean_x = rms ? T(0) : sum_d * rs[r] * inv_n;
+          const T mg = rms ? T(0) : sum_g * inv_n;
+          mean_gx[r] = sum_gd * rs[r] * inv_n - mean_x * mg;
+          mean_g[r] = mg - mean_x * mean_gx[r];
         }
 
         // pass 2, column block by column block over the group (rows are still in cache):
-        //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh];  dw += dy * xhat;  db += dy
+        //   dx = rstd * (g - mean_g - xhat * mean_gx) [+ dh];  dw += dy * xhat;  db += dy
         int64_t k = 0;
         for (; k + W <= N; k += W) {
           const Vec<T> wv = w_data ? Vec<T>::loadu(w_data + k) : Vec<T>(T(1));

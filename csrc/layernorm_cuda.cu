@@ -120,17 +120,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) norm_bwd_rows_kernel(int
     const float rs = rstd[row];
     const T* hr = h + row * ldh;
     const T* dyr = dy + row * N;
-    float sg = 0.0f, sgx = 0.0f;
+    // mean(xhat) is 0 in exact arithmetic; the stored mean's rounding shifts every xhat by
+    // it, and it is subtracted (see norm_bwd in fasttrans/backends.py for the error removed)
+    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
     for (int64_t k = threadIdx.x; k < N; k += kThreads) {
       const float xh = (to_float(hr[k]) - mu) * rs;
       const float g = w ? to_float(dyr[k]) * w[k] : to_float(dyr[k]);
       sg += g;
+      sx += xh;
       sgx = fmaf(g, xh, sgx);
     }
+    const float mean_x = rms ? 0.0f : block_sum(sx, red) * inv_n;
     const float mean_g = rms ? 0.0f : block_sum(sg, red) * inv_n;
-    const float mean_gx = block_sum(sgx, red) * inv_n;
+    const float mean_gx = block_sum(sgx, red) * inv_n - mean_x * mean_g;  // mean(g * (xhat - mean_x))
     for (int64_t k = threadIdx.x; k < N; k += kThreads) {
-      const float xh = (to_float(hr[k]) - mu) * rs;
+      const float xh = fmaf(to_float(hr[k]) - mu, rs, -mean_x);
       const float dyk = to_float(dyr[k]);
       const float g = w ? dyk * w[k] : dyk;
       float v = rs * (g - mean_g - xh * mean_gx);

@@ -162,9 +162,17 @@ class _ReferenceImpl:
         #   dxhat = dy * w
         #   dh    = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   [LayerNorm]
         #   dh    = rstd * (dxhat - xhat * mean(dxhat * xhat))                 [RMSNorm]
+        # LayerNorm re-centres xhat. The saved mean is rounded (δ ≈ ulp(mean) / 2), which
+        # shifts every xhat by δ·rstd and dx by up to δ·rstd²·|dxhat|: on rows whose spread is
+        # small against their mean, with var near eps, that is a large part of dx itself (the
+        # terms of dx nearly cancel there). mean(xhat), 0 in exact arithmetic, measures the
+        # shift; subtracting it took the p99 relative dx error over such rows from 1e-4 to
+        # 6e-7 (tests/test_functional.py::test_norm_backward_on_rows_near_their_mean).
         acc = reference.accumulation_dtype(h)
         hf, dyf = h.to(acc), dy.to(acc)
         xhat = (hf if rms else hf - mean[:, None]) * rstd[:, None]
+        if not rms:
+            xhat = xhat - xhat.mean(-1, keepdim=True)
         dxhat = dyf * weight.to(acc) if weight is not None else dyf
         proj = (dxhat * xhat).mean(-1, keepdim=True)
         centred = dxhat if rms else dxhat - dxhat.mean(-1, keepdim=True)

@@ -317,8 +317,9 @@ def _norm_bwd_row_sums_kernel(
     DY,  # gradient of y, (M, N)
     MEAN,  # (M,) fp32 (unused when IS_RMS)
     RSTD,  # (M,) fp32
-    SUM_DXHAT_XHAT,  # out: (M,) fp32, Σ dxhat · xhat per row
+    SUM_DXHAT_XHAT,  # out: (M,) fp32, Σ dxhat · xhat per row (xhat re-centred for LayerNorm)
     SUM_DXHAT,  # out: (M,) fp32, Σ dxhat per row (unused when IS_RMS)
+    SUM_XHAT,  # out: (M,) fp32, Σ xhat per row (unused when IS_RMS)
     stride_h_m,
     stride_dy_m,
     N,
@@ -326,7 +327,8 @@ def _norm_bwd_row_sums_kernel(
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
 ):
-    # the two row reductions of the backward, for rows too long to hold in registers
+    # the row reductions of the backward, for rows too long to hold in registers;
+    # Σ dxhat · xhat is stored for the re-centred xhat (see _norm_bwd_kernel)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     rstd = tl.load(RSTD + row)
@@ -335,6 +337,7 @@ def _norm_bwd_row_sums_kernel(
         mean = tl.load(MEAN + row)
     acc_dxhat_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_dxhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         c = start + cols
         mask = c < N
@@ -345,9 +348,16 @@ def _norm_bwd_row_sums_kernel(
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         acc_dxhat_xhat += dxhat * xhat
         acc_dxhat += dxhat
-    tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0))
-    if not IS_RMS:
-        tl.store(SUM_DXHAT + row, tl.sum(acc_dxhat, axis=0))
+        acc_xhat += xhat
+    if IS_RMS:
+        tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0))
+    else:
+        sum_dxhat = tl.sum(acc_dxhat, axis=0)
+        sum_xhat = tl.sum(acc_xhat, axis=0)
+        # Σ dxhat · (xhat - mean(xhat)) = Σ dxhat · xhat - mean(xhat) · Σ dxhat
+        tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0) - sum_xhat / N * sum_dxhat)
+        tl.store(SUM_DXHAT + row, sum_dxhat)
+        tl.store(SUM_XHAT + row, sum_xhat)
 
 
 @triton.jit
@@ -361,6 +371,7 @@ def _norm_bwd_kernel(
     RSTD,  # (M,) fp32
     SUM_DXHAT_XHAT,  # (M,) fp32 row sums from _norm_bwd_row_sums_kernel (unused unless SPLIT)
     SUM_DXHAT,  # (M,) fp32 (unused unless SPLIT and not IS_RMS)
+    SUM_XHAT,  # (M,) fp32 (unused unless SPLIT and not IS_RMS)
     DW_PARTIAL,  # out: (P, N) fp32, row p = Σ dy · xhat over program p's rows (unused unless HAS_WEIGHT)
     DB_PARTIAL,  # out: (P, N) fp32, row p = Σ dy over program p's rows (unused unless HAS_BIAS)
     stride_h_m,
@@ -401,6 +412,13 @@ def _norm_bwd_kernel(
         else:
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+            # mean(xhat) is 0 in exact arithmetic: the stored mean's rounding shifts every
+            # xhat by it, and it is subtracted (see norm_bwd in fasttrans/backends.py)
+            if SPLIT:
+                mean_xhat = tl.load(SUM_XHAT + rows, mask=row_mask, other=0.0) / N
+            else:
+                mean_xhat = tl.sum(xhat, axis=1) / N
+            xhat = tl.where(mask, xhat - mean_xhat[:, None], 0.0)
         dxhat = dy
         if HAS_WEIGHT:
             # reloaded per row block (an L1 hit): holding w across the loop costs registers
@@ -562,18 +580,19 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     dx = torch.empty((M, N), dtype=h.dtype, device=device)
     dw_partial = torch.empty((num_partials, N), **fp32) if w is not None else None
     db_partial = torch.empty((num_partials, N), **fp32) if b is not None else None
-    sum_dxhat_xhat = sum_dxhat = None
+    sum_dxhat_xhat = sum_dxhat = sum_xhat = None
     if cfg.split:
         sum_dxhat_xhat = torch.empty((M,), **fp32)
         sum_dxhat = None if rms else torch.empty((M,), **fp32)
+        sum_xhat = None if rms else torch.empty((M,), **fp32)
         _norm_bwd_row_sums_kernel[(M,)](
-            h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd),
+            h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
             h.stride(0), dy.stride(0), N,
             BLOCK_N=cfg.BLOCK_N, IS_RMS=bool(rms), HAS_WEIGHT=w is not None, **launch,
         )
     _norm_bwd_kernel[(num_partials, col_blocks)](
         h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
-        _or(dw_partial, rstd), _or(db_partial, rstd),
+        _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
         h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
         M, N, rows_per_program,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=bool(rms),
