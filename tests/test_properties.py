@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -127,6 +127,9 @@ def norm_cases(draw):
 @pytest.mark.parametrize("backend", backend_params("norm"))
 @FUZZ
 @given(case=norm_cases())
+# a row whose two values nearly coincide (var ≈ 30·eps): before the backward re-centred xhat,
+# the saved mean's rounding alone put every backend's dx error at 2.8× torch's
+@example(case=dict(M=7, N=2, strided=True, weight=True, bias=True, kind="layer_norm", eps=1e-6, scale=1.0, seed=7))
 def test_norms_match_reference(backend, case):
     g = torch.Generator().manual_seed(case["seed"])
     M, N = case["M"], case["N"]
