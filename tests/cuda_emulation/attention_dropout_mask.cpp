@@ -1,0 +1,24 @@
+// The CUDA attention dropout mask kernel (csrc/attention_cuda.cu) against the CPU Philox of
+// csrc/philox_cpu.h, bit for bit. Exits non-zero on any mismatch.
+#include "shim.h"
+#include "attention_kernels.h"
+#include "philox_cpu.h"
+using namespace fasttrans;
+int main() {
+  int64_t B = 2, H = 3, Lq = 5, Lk = 70; uint64_t seed = 0xdeadbeefcafe1234ULL; uint32_t thr = dropout_threshold(0.37);
+  int64_t rows = B * H * Lq, total = rows * ((Lk + 3) / 4);
+  std::vector<uint8_t> keep(rows * Lk, 7);
+  launch(dim3((total + 255) / 256), 256, 0, [&] { cuda_kernels::attention_dropout_mask_kernel(H, Lq, Lk, rows, seed, thr, (bool*)keep.data()); });
+  int bad = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t b = row / (H * Lq), h = (row / Lq) % H, i = row % Lq;
+    for (int64_t j = 0; j < Lk;) {  // dropout_keep_row from common.h, j0 = 0
+      int64_t g = j >> 2, skip = j - 4 * g, count = std::min<int64_t>(64 - skip, Lk - j);
+      uint64_t bits = cpu::keep_bits16_scalar(g, i, h, b, seed, thr) >> skip;
+      for (int64_t c = 0; c < count; ++c) bad += keep[row * Lk + j + c] != ((bits >> c) & 1);
+      j += count;
+    }
+  }
+  printf("mismatches %d\n", bad);
+  return bad != 0;
+}
