@@ -327,8 +327,8 @@ def _norm_bwd_row_sums_kernel(
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
 ):
-    # the row reductions of the backward, for rows too long to hold in registers;
-    # Σ dxhat · xhat is stored for the re-centred xhat (see _norm_bwd_kernel)
+    # the row reductions of the backward, for rows too long to hold in registers; for
+    # LayerNorm, SUM_DXHAT_XHAT is taken over xhat - mean(xhat) (see _norm_bwd_kernel)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     rstd = tl.load(RSTD + row)
