@@ -7,8 +7,9 @@ the kernel code of each .cu file (everything before its launchers, which need nv
 shuffles and shared memory, and run by a harness that launches the kernels as the
 launchers do and checks every output against a double-precision reference. This tests the
 kernels' logic (indexing, strides, masking, reductions across warps, barriers, NaN
-handling, Philox masks) and their memory accesses; not their speed, and not the GPU's
-memory model or fp16 arithmetic (the harnesses run fp32).
+handling, Philox masks, fp16/bf16 loads and stores) and their memory accesses; not their
+speed, and not the GPU's memory model. The attention harness runs fp32; the norm and
+dropout harnesses fp32, bf16 and fp16.
 """
 
 import re

@@ -7,6 +7,7 @@
 #include "dropout_kernels.h"
 #include "philox_cpu.h"
 #include <random>
+#include <type_traits>
 using namespace fasttrans;
 
 template <typename T>
@@ -49,7 +50,7 @@ int check(int64_t numel, unsigned blocks, double p, uint64_t seed) {
     bad += keep[i] != 7 || std::memcmp(&y[i], &sentinel, sizeof(T)) != 0 || std::memcmp(&dx[i], &sentinel, sizeof(T)) != 0;
   }
   printf("%s %s numel %ld blocks %u vector %d p %.2f: kept %d, %d mismatches\n", bad ? "BAD" : "ok ",
-         sizeof(T) == 4 ? "fp32" : "bf16", static_cast<long>(numel), blocks, kVector, p, kept, bad);
+         sizeof(T) == 4 ? "fp32" : std::is_same_v<T, __half> ? "fp16" : "bf16", static_cast<long>(numel), blocks, kVector, p, kept, bad);
   return bad != 0;
 }
 
@@ -60,6 +61,7 @@ int main() {
     bad += check<float, true>(numel, 1, 0.3, seed);   // one block: the grid-stride loop runs
     bad += check<float, false>(numel, 2, 0.1, seed + 1);
     bad += check<__nv_bfloat16, true>(numel, 3, 0.5, seed + 2);
+    bad += check<__half, true>(numel, 2, 0.2, seed + 3);
   }
   printf("%d bad\n", bad);
   return bad != 0;

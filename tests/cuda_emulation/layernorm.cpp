@@ -1,66 +1,138 @@
 // The CUDA norm kernels (csrc/layernorm_cuda.cu): LayerNorm, add + LayerNorm and RMSNorm,
-// forward, backward and the dW/dB reduction, on the host emulation of shim.h, against a
-// double-precision reference. Exits non-zero if any configuration is wrong.
+// forward, backward and the dW/dB reduction, in fp32, bf16 and fp16, on the host emulation
+// of shim.h, against a double-precision reference computed from the same rounded inputs.
+// Exits non-zero if any configuration is wrong.
 #include "shim.h"
 #include "layernorm_kernels.h"
 #include <random>
+#include <string>
 using namespace fasttrans::cuda_kernels;
-int check(int M, int N, bool res, bool rms, bool hasw, bool hasb, int grid, unsigned sd, float spread = 1.0f, double tol = 1e-4) {
-  std::mt19937 rng(sd); std::normal_distribution<float> nd;
-  int ldx = N + 5;
-  std::vector<float> x((size_t)M * ldx), r((size_t)M * ldx), w(N), b(N), dy((size_t)M * N), dh((size_t)M * N);
-  for (auto& t : x) t = 3 + spread * nd(rng); for (auto& t : r) t = nd(rng); for (auto& t : w) t = nd(rng); for (auto& t : b) t = nd(rng);
-  for (auto& t : dy) t = nd(rng); for (auto& t : dh) t = nd(rng);
-  NormArgs a{}; a.M = M; a.N = N; a.dtype = DType::kFloat32; a.x = x.data(); a.ldx = ldx; a.residual = res ? r.data() : nullptr; a.ldr = ldx;
-  a.weight = hasw ? w.data() : nullptr; a.bias = (hasb && !rms) ? b.data() : nullptr; a.eps = 1e-5f; a.rms = rms;
-  std::vector<float> y((size_t)M * N, NAN), h((size_t)M * N, NAN), mean(M, NAN), rstd(M, NAN);
-  launch(dim3(grid), kThreads, 64, [&] { norm_fwd_kernel<float>(a, y.data(), res ? h.data() : nullptr, rms ? nullptr : mean.data(), rstd.data()); });
-  // backward
-  int64_t rpc = std::max<int64_t>((M + kMaxChunks - 1) / kMaxChunks, kMinRowsPerChunk);
-  int64_t chunks = (M + rpc - 1) / rpc;
-  std::vector<float> dx((size_t)M * N, NAN), dwp(chunks * N, NAN), dbp(chunks * N, NAN), dw(N, NAN), db(N, NAN);
-  const float* hp = res ? h.data() : x.data(); int64_t ldh = res ? N : ldx;
-  launch(dim3(chunks), kThreads, 64, [&] { norm_bwd_rows_kernel<float>(M, N, rpc, dy.data(), res ? dh.data() : nullptr, hp, ldh, hasw ? w.data() : nullptr, rms ? nullptr : mean.data(), rstd.data(), rms, dx.data(), hasw ? dwp.data() : nullptr, hasb ? dbp.data() : nullptr); });
-  if (hasw) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dwp.data(), chunks, N, dw.data()); });
-  if (hasb) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dbp.data(), chunks, N, db.data()); });
-  // reference
-  double worst = 0; const char* wn = "";
-  auto upd = [&](double got, double want, const char* n) { double e = std::fabs(got - want) / (1 + std::fabs(want)); if (!(e <= worst)) { worst = e; wn = n; } };
+
+template <typename T> constexpr DType kDType = DType::kFloat32;
+template <> constexpr DType kDType<__nv_bfloat16> = DType::kBFloat16;
+template <> constexpr DType kDType<__half> = DType::kFloat16;
+template <typename T> const char* kName = "fp32";
+template <> const char* kName<__nv_bfloat16> = "bf16";
+template <> const char* kName<__half> = "fp16";
+// Largest error |got - want| / (1 + |want|) allowed: the outputs' own rounding dominates
+// for bf16 (8 bits) and fp16 (11 bits).
+template <typename T> constexpr double kTol = 1e-4;
+template <> constexpr double kTol<__nv_bfloat16> = 8e-3;
+template <> constexpr double kTol<__half> = 1e-3;
+
+struct Case {
+  int M, N;
+  bool res, rms, hasw, hasb;
+  int grid;
+  unsigned seed;
+  float spread = 1.0f;  // rows are 3 + spread * N(0, 1)
+  double tol = 0;       // 0: kTol<T>
+};
+
+template <typename T>
+int check(const Case& c) {
+  const int M = c.M, N = c.N, ldx = N + 5;  // x and the residual have a row stride > N
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<float> nd;
+  auto rows = [&](size_t n, float offset, float scale) {
+    std::vector<T> v(n);
+    for (auto& t : v) t = from_float<T>(offset + scale * nd(rng));
+    return v;
+  };
+  const std::vector<T> x = rows((size_t)M * ldx, 3.0f, c.spread), r = rows((size_t)M * ldx, 0.0f, 1.0f);
+  const std::vector<T> dy = rows((size_t)M * N, 0.0f, 1.0f), dh = rows((size_t)M * N, 0.0f, 1.0f);
+  std::vector<float> w(N), b(N);
+  for (auto& t : w) t = nd(rng);
+  for (auto& t : b) t = nd(rng);
+
+  NormArgs a{};
+  a.M = M; a.N = N; a.dtype = kDType<T>; a.x = x.data(); a.ldx = ldx;
+  a.residual = c.res ? r.data() : nullptr; a.ldr = ldx;
+  a.weight = c.hasw ? w.data() : nullptr; a.bias = (c.hasb && !c.rms) ? b.data() : nullptr;
+  a.eps = 1e-5f; a.rms = c.rms;
+  const T nan_t = from_float<T>(NAN);
+  std::vector<T> y((size_t)M * N, nan_t), h((size_t)M * N, nan_t), dx((size_t)M * N, nan_t);
+  std::vector<float> mean(M, NAN), rstd(M, NAN);
+  launch(dim3(c.grid), kThreads, 64, [&] {
+    norm_fwd_kernel<T>(a, y.data(), c.res ? h.data() : nullptr, c.rms ? nullptr : mean.data(), rstd.data());
+  });
+  // the backward as norm_bwd_cuda launches it
+  const int64_t rpc = std::max<int64_t>((M + kMaxChunks - 1) / kMaxChunks, kMinRowsPerChunk);
+  const int64_t chunks = (M + rpc - 1) / rpc;
+  std::vector<float> dwp(chunks * N, NAN), dbp(chunks * N, NAN), dw(N, NAN), db(N, NAN);
+  const T* hp = c.res ? h.data() : x.data();
+  const int64_t ldh = c.res ? N : ldx;
+  launch(dim3(chunks), kThreads, 64, [&] {
+    norm_bwd_rows_kernel<T>(M, N, rpc, dy.data(), c.res ? dh.data() : nullptr, hp, ldh, c.hasw ? w.data() : nullptr,
+                            c.rms ? nullptr : mean.data(), rstd.data(), c.rms, dx.data(), c.hasw ? dwp.data() : nullptr,
+                            c.hasb ? dbp.data() : nullptr);
+  });
+  if (c.hasw) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dwp.data(), chunks, N, dw.data()); });
+  if (c.hasb) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dbp.data(), chunks, N, db.data()); });
+
+  // reference, in double from the rounded inputs (h = x + r rounded to T, as torch's add)
+  double worst = 0;
+  std::string what = "-";
+  auto upd = [&](double got, double want, const char* name) {
+    const double e = std::fabs(got - want) / (1 + std::fabs(want));
+    if (!(e <= worst)) { worst = e; what = name; }  // NaN counts as worst
+  };
   std::vector<double> rdw(N, 0), rdb(N, 0);
   for (int i = 0; i < M; ++i) {
-    std::vector<double> hv(N); double mu = 0, var = 0;
-    for (int k = 0; k < N; ++k) { hv[k] = (double)x[(size_t)i * ldx + k] + (res ? r[(size_t)i * ldx + k] : 0.0); hv[k] = (float)hv[k]; mu += hv[k]; }
-    mu /= N; if (rms) mu = 0;
-    for (int k = 0; k < N; ++k) var += (hv[k] - mu) * (hv[k] - mu); var /= N;
-    double rs = 1 / std::sqrt(var + 1e-5);
-    std::vector<double> xh(N), g(N); double mg = 0, mgx = 0;
+    std::vector<double> hv(N), xh(N), g(N);
+    double mu = 0, var = 0, mg = 0, mgx = 0;
     for (int k = 0; k < N; ++k) {
-      xh[k] = (hv[k] - mu) * rs; double yy = xh[k] * (hasw ? w[k] : 1) + ((hasb && !rms) ? b[k] : 0);
-      upd(y[(size_t)i * N + k], yy, "y"); if (res) upd(h[(size_t)i * N + k], hv[k], "h");
-      g[k] = dy[(size_t)i * N + k] * (hasw ? w[k] : 1); mg += g[k]; mgx += g[k] * xh[k];
-      rdw[k] += dy[(size_t)i * N + k] * xh[k]; rdb[k] += dy[(size_t)i * N + k];
+      const size_t at = (size_t)i * ldx + k;
+      hv[k] = c.res ? to_float(from_float<T>(to_float(x[at]) + to_float(r[at]))) : to_float(x[at]);
+      mu += hv[k];
     }
-    mg /= N; mgx /= N; if (rms) mg = 0;
-    if (!rms) upd(mean[i], mu, "mean"); upd(rstd[i] / rs, 1.0, "rstd");
-    for (int k = 0; k < N; ++k) upd(dx[(size_t)i * N + k], rs * (g[k] - mg - xh[k] * mgx) + (res ? dh[(size_t)i * N + k] : 0), "dx");
+    mu = c.rms ? 0.0 : mu / N;
+    for (int k = 0; k < N; ++k) var += (hv[k] - mu) * (hv[k] - mu);
+    const double rs = 1 / std::sqrt(var / N + 1e-5);
+    for (int k = 0; k < N; ++k) {
+      const size_t at = (size_t)i * N + k;
+      xh[k] = (hv[k] - mu) * rs;
+      upd(to_float(y[at]), xh[k] * (c.hasw ? w[k] : 1) + ((c.hasb && !c.rms) ? b[k] : 0), "y");
+      if (c.res) upd(to_float(h[at]), hv[k], "h");
+      const double dyk = to_float(dy[at]);
+      g[k] = dyk * (c.hasw ? w[k] : 1);
+      mg += g[k];
+      mgx += g[k] * xh[k];
+      rdw[k] += dyk * xh[k];
+      rdb[k] += dyk;
+    }
+    mg = c.rms ? 0.0 : mg / N;
+    mgx /= N;
+    if (!c.rms) upd(mean[i], mu, "mean");
+    upd(rstd[i] / rs, 1.0, "rstd");
+    for (int k = 0; k < N; ++k) {
+      const size_t at = (size_t)i * N + k;
+      upd(to_float(dx[at]), rs * (g[k] - mg - xh[k] * mgx) + (c.res ? to_float(dh[at]) : 0.0), "dx");
+    }
   }
-  for (int k = 0; k < N; ++k) { if (hasw) upd(dw[k], rdw[k], "dw"); if (hasb) upd(db[k], rdb[k], "db"); }
-  bool bad = worst > tol;
-  printf("%s M%d N%d res%d rms%d w%d b%d grid%d worst %.2g (%s)\n", bad ? "BAD" : "ok ", M, N, res, rms, hasw, hasb, grid, worst, wn);
+  for (int k = 0; k < N; ++k) {
+    if (c.hasw) upd(dw[k], rdw[k], "dw");
+    if (c.hasb) upd(db[k], rdb[k], "db");
+  }
+  const bool bad = !(worst <= (c.tol > 0 ? c.tol : kTol<T>));
+  printf("%s %s M%d N%d res%d rms%d w%d b%d grid%d spread %g: worst %.2g (%s)\n", bad ? "BAD" : "ok ", kName<T>, M, N,
+         c.res, c.rms, c.hasw, c.hasb, c.grid, c.spread, worst, what.c_str());
   return bad;
 }
+
 int main() {
+  const Case cases[] = {
+      {7, 1, false, false, true, true, 7, 1},      {7, 300, true, false, true, true, 3, 2},
+      {40, 700, false, true, true, false, 40, 3},  {33, 257, true, false, false, true, 5, 4},
+      {17, 64, false, false, true, true, 17, 5},   {3, 1000, true, true, false, false, 1, 6},
+  };
   int bad = 0;
-  bad += check(7, 1, false, false, true, true, 7, 1);
-  bad += check(7, 300, true, false, true, true, 3, 2);
-  bad += check(40, 700, false, true, true, false, 40, 3);
-  bad += check(33, 257, true, false, false, true, 5, 4);
-  bad += check(17, 64, false, false, true, true, 17, 5);
-  bad += check(3, 1000, true, true, false, false, 1, 6);
+  for (const Case& c : cases) bad += check<float>(c) + check<__nv_bfloat16>(c) + check<__half>(c);
   // rows whose spread is small against their mean (var about 0.005 to 0.1 eps), where dx
   // nearly cancels: without the backward's re-centred xhat, dx and dw were off by up to 7e-4
-  bad += check(64, 2, false, false, true, true, 8, 7, 3e-4f, 2e-5);
-  bad += check(64, 3, true, false, true, true, 8, 8, 1e-3f, 2e-5);
-  bad += check(64, 33, false, false, true, true, 8, 9, 1e-3f, 2e-5);
-  printf("%d bad\n", bad); return bad;
+  bad += check<float>({64, 2, false, false, true, true, 8, 7, 3e-4f, 2e-5});
+  bad += check<float>({64, 3, true, false, true, true, 8, 8, 1e-3f, 2e-5});
+  bad += check<float>({64, 33, false, false, true, true, 8, 9, 1e-3f, 2e-5});
+  printf("%d bad\n", bad);
+  return bad != 0;
 }

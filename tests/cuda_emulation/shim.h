@@ -8,8 +8,9 @@
 //   exited CUDA thread no longer takes part in __syncthreads.
 // - Shared memory is one buffer per launch, filled with NaN before every block, so a read
 //   of shared memory that no thread of the block has written shows up as NaN.
-// - Only what the kernels use is here: fp32 and bf16 conversions (fp16 aborts), fmaf and
-//   the math of <cmath>. Ordering and atomics are not modelled (the kernels use none).
+// - Only what the kernels use is here: fp16 (through the compiler's _Float16) and bf16
+//   conversions rounding to nearest even, fmaf and the math of <cmath>. Memory ordering
+//   and atomics are not modelled (the kernels use none).
 #pragma once
 #include <algorithm>
 #include <barrier>
@@ -69,8 +70,17 @@ struct __half {
 struct __nv_bfloat16 {
   uint16_t x;
 };
-inline float __half2float(__half) { std::abort(); }
-inline __half __float2half_rn(float) { std::abort(); }
+inline float __half2float(__half h) {
+  _Float16 v;
+  std::memcpy(&v, &h.x, 2);
+  return static_cast<float>(v);
+}
+inline __half __float2half_rn(float f) {
+  const _Float16 v = static_cast<_Float16>(f);
+  __half h;
+  std::memcpy(&h.x, &v, 2);
+  return h;
+}
 inline float __bfloat162float(__nv_bfloat16 b) {
   const uint32_t u = uint32_t(b.x) << 16;
   float f;
