@@ -8,8 +8,7 @@ shuffles and shared memory, and run by a harness that launches the kernels as th
 launchers do and checks every output against a double-precision reference. This tests the
 kernels' logic (indexing, strides, masking, reductions across warps, barriers, NaN
 handling, Philox masks, fp16/bf16 loads and stores) and their memory accesses; not their
-speed, and not the GPU's memory model. The attention harness runs fp32; the norm and
-dropout harnesses fp32, bf16 and fp16.
+speed, and not the GPU's memory model. The harnesses run fp32, bf16 and fp16.
 """
 
 import re
