@@ -485,8 +485,8 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (want_dq) {
     // dQ += dS K_j, with dS transposed here from the key-major tile: the tile is in L1,
     // where a transposed copy of K for the whole call (the other way to take this product,
-    // dQ^T += K_j^T dS^T) is a pass over memory. Interleaved A/B of the backward alone,
-    // B=64 H=4 D=64: Lq=9 Lk=91 2.4-2.6 -> 1.8 ms, 91 x 91 8.3-8.6 -> 6.8-6.9 ms, 9 x 9
+    // dQ^T += K_j^T dS^T) is a pass over memory. Interleaved A/B of the backward alone on
+    // the 2-core AMD EPYC, B=64 H=4 D=64: Lq=9 Lk=91 2.4-2.6 -> 1.8 ms, 91 x 91 8.3-8.6 -> 6.8-6.9 ms, 9 x 9
     // 0.23 -> 0.19-0.20 ms; B=4 H=8 L=1024: 60-61 -> 58-59 ms.
     transpose_tile(dpt, BM, s.ds.data(), bn, bn, bm);
     gemm_nn(bm, D, bn, s.ds.data(), bn, x.k(b, hk, j0), x.k.si, x.dq + (bh * Lq + i0) * D, D, true);
