@@ -1,11 +1,11 @@
-// The CUDA attention kernels (csrc/attention_cuda.cu), forward and backward, on the host
+// The CUDA attention kernels and launchers (csrc/attention_cuda.cu), forward and backward, on the host
 // emulation of shim.h, against a double-precision reference computed step by step as
 // fasttrans.reference.attention and its autograd do: every mask kind and combination,
 // broadcast and transposed masks, GQA, odd head dims up to 256, empty rows, no keys, no
 // query rows, dropout (the shared Philox mask), NaN rows and NaN keys at hidden positions.
 // Prints one line per configuration; exits non-zero if any is wrong.
 #include "shim.h"
-#include "attention_kernels.h"
+#include "attention_cuda.h"
 #include <random>
 #include <limits>
 using namespace fasttrans::cuda_kernels;
@@ -44,26 +44,16 @@ struct Stored {
   }
 };
 
-size_t fwd_smem_(int64_t D) { return sizeof(float) * (kBlockRows * D + 2 * kTile * (D + 1)); }
-size_t dq_smem_(int64_t D) { return sizeof(float) * (2 * kBlockRows * D + 2 * kTile * (D + 1)); }
-size_t dkdv_smem_(int64_t D) { return sizeof(float) * (2 * kBlockRows * D + 2 * kTile * (D + 1) + 2 * kTile); }
-
-// Mirrors attention_fwd_cuda / bwd_launch in attention_cuda.cu (the launch logic, not the code).
-// The delta kernel gets at most 2 blocks here, so its grid-stride loop runs.
-template <int DPL>
-void run_kernels(const AttentionArgs& a, void* out, float* lse, const void* dout, float* delta, void* dq, void* dk, void* dv, float* dmask) {
-  if (a.B == 0 || a.D == 0) return;
-  dim3 gq((a.Lq + kBlockRows - 1) / kBlockRows, a.H, a.B);
-  int64_t rows = a.B * a.H * a.Lq;
-  if (rows > 0) {
-    launch(gq, kThreads, fwd_smem_(a.D), [&] { attention_fwd_kernel<DPL>(a, out, lse); });
-    int64_t db = std::min<int64_t>((rows + kWarps - 1) / kWarps, 2);
-    launch(dim3(db), kThreads, 0, [&] { attention_delta_kernel(dout, out, a.dtype, rows, (int)a.D, delta); });
-    launch(gq, kThreads, dq_smem_(a.D), [&] { attention_bwd_dq_kernel<DPL>(a, dout, lse, delta, dq, dmask); });
+// The forward and backward launchers of csrc/cuda_launchers.h, as the extension's binding
+// calls them (grids, shared-memory sizes and opt-ins are theirs).
+void run_launchers(const AttentionArgs& a, void* out, float* lse, const void* dout, float* delta, void* dq, void* dk,
+                   void* dv, float* dmask) {
+  const char* e = attention_fwd_cuda(a, out, lse, nullptr);
+  if (!e) e = attention_bwd_cuda(a, dout, out, lse, delta, dq, dk, dv, dmask, nullptr);
+  if (e) {
+    printf("launcher error: %s\n", e);
+    std::exit(1);
   }
-  if (a.Lk == 0) return;
-  dim3 gk((a.Lk + kBlockRows - 1) / kBlockRows, a.Hkv, a.B);
-  launch(gk, kThreads, dkdv_smem_(a.D), [&] { attention_bwd_dkdv_kernel<DPL>(a, dout, lse, delta, dk, dv); });
 }
 
 static double nan_max_d(double a, double b) { return (a >= b || std::isnan(a)) ? a : b; }
@@ -156,10 +146,7 @@ int check(const Cfg& c, uint64_t seed_) {
   bool want_dmask = c.mask == 2;
   Stored out_s(out, c.dtype, false), dq_s(dq, c.dtype, false), dk_s(dk, c.dtype, false), dv_s(dv, c.dtype, false);
   float* dm = want_dmask ? dmask.data() : nullptr;
-  if (D <= 32) run_kernels<1>(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
-  else if (D <= 64) run_kernels<2>(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
-  else if (D <= 128) run_kernels<4>(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
-  else run_kernels<8>(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
+  run_launchers(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
   for (Stored* o : {&out_s, &dq_s, &dk_s, &dv_s}) if (c.dtype != DType::kFloat32) o->to_floats();
 
   // ---- reference in double: fasttrans.reference.attention_with_lse and its autograd, step by step

@@ -1,14 +1,17 @@
-// The CUDA attention dropout mask kernel (csrc/attention_cuda.cu) against the CPU Philox of
+// The CUDA attention dropout mask (attention_dropout_mask_cuda, csrc/attention_cuda.cu) against the CPU Philox of
 // csrc/philox_cpu.h, bit for bit. Exits non-zero on any mismatch.
 #include "shim.h"
-#include "attention_kernels.h"
+#include "attention_cuda.h"
 #include "philox_cpu.h"
 using namespace fasttrans;
 int main() {
   int64_t B = 2, H = 3, Lq = 5, Lk = 70; uint64_t seed = 0xdeadbeefcafe1234ULL; uint32_t thr = dropout_threshold(0.37);
-  int64_t rows = B * H * Lq, total = rows * ((Lk + 3) / 4);
+  int64_t rows = B * H * Lq;
   std::vector<uint8_t> keep(rows * Lk, 7);
-  launch(dim3((total + 255) / 256), 256, 0, [&] { cuda_kernels::attention_dropout_mask_kernel(H, Lq, Lk, rows, seed, thr, (bool*)keep.data()); });
+  if (const char* e = cuda_kernels::attention_dropout_mask_cuda(B, H, Lq, Lk, seed, thr, (bool*)keep.data(), nullptr)) {
+    printf("launcher error: %s\n", e);
+    return 1;
+  }
   int bad = 0;
   for (int64_t row = 0; row < rows; ++row) {
     int64_t b = row / (H * Lq), h = (row / Lq) % H, i = row % Lq;

@@ -4,7 +4,7 @@
 // written once, y = x * keep / (1 - p) and dx = dy * keep / (1 - p) exactly as the kernels
 // round them. Exits non-zero on any mismatch.
 #include "shim.h"
-#include "dropout_kernels.h"
+#include "dropout_cuda.h"
 #include "philox_cpu.h"
 #include <random>
 #include <type_traits>

@@ -1,9 +1,9 @@
-// The CUDA norm kernels (csrc/layernorm_cuda.cu): LayerNorm, add + LayerNorm and RMSNorm,
-// forward, backward and the dW/dB reduction, in fp32, bf16 and fp16, on the host emulation
+// The CUDA norm kernels and launchers (csrc/layernorm_cuda.cu): LayerNorm, add + LayerNorm and
+// RMSNorm, forward, backward and the dW/dB reduction, in fp32, bf16 and fp16, on the host emulation
 // of shim.h, against a double-precision reference computed from the same rounded inputs.
 // Exits non-zero if any configuration is wrong.
 #include "shim.h"
-#include "layernorm_kernels.h"
+#include "layernorm_cuda.h"
 #include <random>
 #include <string>
 using namespace fasttrans::cuda_kernels;
@@ -23,7 +23,8 @@ template <> constexpr double kTol<__half> = 1e-3;
 struct Case {
   int M, N;
   bool res, rms, hasw, hasb;
-  int grid;
+  int grid;  // blocks of the forward: M runs norm_fwd_cuda; fewer runs the kernel on that grid,
+            // so its loop over the rows beyond the grid (M > 2^31 on a GPU) runs too
   unsigned seed;
   float spread = 1.0f;  // rows are 3 + spread * N(0, 1)
   double tol = 0;       // 0: kTol<T>
@@ -53,22 +54,26 @@ int check(const Case& c) {
   const T nan_t = from_float<T>(NAN);
   std::vector<T> y((size_t)M * N, nan_t), h((size_t)M * N, nan_t), dx((size_t)M * N, nan_t);
   std::vector<float> mean(M, NAN), rstd(M, NAN);
-  launch(dim3(c.grid), kThreads, 64, [&] {
-    norm_fwd_kernel<T>(a, y.data(), c.res ? h.data() : nullptr, c.rms ? nullptr : mean.data(), rstd.data());
-  });
-  // the backward as norm_bwd_cuda launches it
-  const int64_t rpc = std::max<int64_t>((M + kMaxChunks - 1) / kMaxChunks, kMinRowsPerChunk);
-  const int64_t chunks = (M + rpc - 1) / rpc;
+  const char* err = nullptr;
+  if (c.grid >= M) {
+    err = norm_fwd_cuda(a, y.data(), c.res ? h.data() : nullptr, c.rms ? nullptr : mean.data(), rstd.data(), nullptr);
+  } else {
+    launch(dim3(c.grid), kThreads, 0, [&] {
+      norm_fwd_kernel<T>(a, y.data(), c.res ? h.data() : nullptr, c.rms ? nullptr : mean.data(), rstd.data());
+    });
+  }
+  const int64_t chunks = norm_bwd_chunks(M);
   std::vector<float> dwp(chunks * N, NAN), dbp(chunks * N, NAN), dw(N, NAN), db(N, NAN);
-  const T* hp = c.res ? h.data() : x.data();
-  const int64_t ldh = c.res ? N : ldx;
-  launch(dim3(chunks), kThreads, 64, [&] {
-    norm_bwd_rows_kernel<T>(M, N, rpc, dy.data(), c.res ? dh.data() : nullptr, hp, ldh, c.hasw ? w.data() : nullptr,
-                            c.rms ? nullptr : mean.data(), rstd.data(), c.rms, dx.data(), c.hasw ? dwp.data() : nullptr,
-                            c.hasb ? dbp.data() : nullptr);
-  });
-  if (c.hasw) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dwp.data(), chunks, N, dw.data()); });
-  if (c.hasb) launch(dim3((N + 255) / 256), 256, 0, [&] { norm_reduce_partials_kernel(dbp.data(), chunks, N, db.data()); });
+  if (!err) {
+    err = norm_bwd_cuda(M, N, kDType<T>, dy.data(), c.res ? dh.data() : nullptr, c.res ? h.data() : x.data(),
+                        c.res ? N : ldx, c.hasw ? w.data() : nullptr, c.rms ? nullptr : mean.data(), rstd.data(), c.rms,
+                        dx.data(), c.hasw ? dwp.data() : nullptr, c.hasb ? dbp.data() : nullptr,
+                        c.hasw ? dw.data() : nullptr, c.hasb ? db.data() : nullptr, nullptr);
+  }
+  if (err) {
+    printf("launcher error: %s\n", err);
+    return 1;
+  }
 
   // reference, in double from the rounded inputs (h = x + r rounded to T, as torch's add)
   double worst = 0;

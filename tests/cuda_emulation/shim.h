@@ -6,8 +6,8 @@
 //   through a per-warp buffer between two barriers over the warp.
 // - A thread that returns early drops out of its block's and its warp's barriers, as an
 //   exited CUDA thread no longer takes part in __syncthreads.
-// - Shared memory is one buffer per launch, filled with NaN before every block, so a read
-//   of shared memory that no thread of the block has written shows up as NaN.
+// - Dynamic shared memory is one buffer per launch, filled with NaN before every block, so
+//   a read of it that no thread of the block has written shows up as NaN.
 // - Only what the kernels use is here: fp16 (through the compiler's _Float16) and bf16
 //   conversions rounding to nearest even, fmaf and the math of <cmath>. Memory ordering
 //   and atomics are not modelled (the kernels use none).
@@ -35,7 +35,7 @@ struct WarpCtx {
 };
 inline thread_local std::barrier<>* t_block_bar;
 inline thread_local WarpCtx t_warp;
-inline thread_local float* t_smem;  // the block's shared memory (kernel text: see the test)
+inline thread_local float* t_smem;  // the launch's dynamic shared memory
 
 #define __global__
 #define __device__
@@ -43,8 +43,10 @@ inline thread_local float* t_smem;  // the block's shared memory (kernel text: s
 #define __forceinline__ inline
 #define __restrict__
 #define __launch_bounds__(...)
-// __shared__ arrays are rewritten by the test (to t_smem); any other use fails to compile
-#define __shared__ __shared___is_rewritten_by_tests_test_cuda_emulation_py
+// Static __shared__ arrays: one per kernel instantiation, shared by every thread (blocks run
+// one at a time). `extern __shared__` (dynamic) declarations are rewritten by the test to
+// point at the launch's buffer, t_smem.
+#define __shared__ static
 
 inline void __syncthreads() { t_block_bar->arrive_and_wait(); }
 inline float __shfl_sync(unsigned, float v, int src) {
@@ -94,6 +96,18 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {  // round to nearest even (f
   return __nv_bfloat16{uint16_t(u >> 16)};
 }
 typedef struct CUstream_st* cudaStream_t;
+
+// The runtime calls of the launchers. Launches run synchronously and cannot fail here;
+// opting a kernel into more than 48 KiB of dynamic shared memory fails above the smallest
+// limit of the supported GPUs (sm_80: 163 KiB), as cudaFuncSetAttribute would there.
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "invalid argument"; }
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int bytes) {
+  return bytes <= 163 * 1024 ? cudaSuccess : cudaErrorInvalidValue;
+}
 
 // Runs fn (the kernel body bound to its arguments) for every block of grid, with `threads`
 // threads per block and smem_bytes of shared memory.
