@@ -215,6 +215,12 @@ def _backends_changed() -> None:
     _auto_selection.clear()
 
 
+def reference_impl():
+    """The reference backend's implementation of the backend interface, called directly: pure
+    PyTorch ops, so autograd (forward mode included) sees through it."""
+    return _ReferenceImpl
+
+
 class _Registry(dict):
     """BACKENDS: a dict that clears the selection memo when an entry changes."""
 

@@ -9,9 +9,11 @@ dtype errors ``DTypeError`` (a TypeError that is also a RuntimeError).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from . import backends, reference
 
@@ -74,6 +76,65 @@ def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) ->
     name = backends.select_backend(op, device, dtype).name
     backends.ops_for(name)  # register now: registering a fake implementation inside a trace breaks the graph
     return name
+
+
+# The autograd kernel that register_autograd adds to an op runs in Python (about 4 us a
+# call on a 2-core CPU): more than a decoding step's whole attention kernel over a short
+# cache. When no input needs a gradient, calls go below it, to the device kernel, as the
+# autograd kernel itself would. Inside torch.compile the ops are traced as they are.
+_below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _call(op, grad_inputs: tuple, *args):
+    """op(*args), below its autograd kernel when none of grad_inputs needs a gradient."""
+    if _below_autograd is None or _is_compiling() or _needs_grad(*grad_inputs):
+        return op(*args)
+    with _below_autograd():
+        return op(*args)
+
+
+# torch.func transforms and forward-mode AD. The ops' autograd is registered with
+# torch.library, which serves torch.autograd only: a tangent passed through an op is dropped
+# (it would read as a zero derivative), and torch.func.grad / jacrev raise inside it. Calls
+# under such a transform are computed by the reference implementation instead, whose
+# PyTorch ops every transform can differentiate (eager only; vmap alone keeps the kernels).
+_transform_warned: set[str] = set()
+_functorch = torch._C._functorch
+
+
+def _under_autodiff_transform(*tensors) -> bool:
+    """Whether any of tensors is differentiated by torch.func (grad, jacrev, jvp, jacfwd) or carries a forward-mode tangent."""
+    if _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0:
+        return False  # no transform and no dual level is active: the common case, kept cheap
+    if _is_compiling():
+        return False
+    return any(
+        t is not None and (_functorch.is_gradtrackingtensor(t) or _fwAD.unpack_dual(t).tangent is not None)
+        for t in tensors
+    )
+
+
+def _transform_on_reference(op: str) -> None:
+    """Allow (or refuse, for a forced kernel backend) computing ``op`` on the reference under a transform."""
+    forced = backends.current_forced_backend()
+    if forced not in (None, "reference"):
+        raise backends.BackendUnavailableError(
+            f"backend '{forced}' was requested for {op}, but its inputs are differentiated by torch.func "
+            "(grad, jacrev, jvp, jacfwd) or forward-mode AD, which its kernels do not support (their autograd "
+            "serves torch.autograd); use the reference backend (fasttrans.use_backend('reference')) there"
+        )
+    if forced is None and op not in _transform_warned:
+        _transform_warned.add(op)
+        warnings.warn(
+            f"fasttrans: {op} under torch.func.grad/jacrev/jvp/jacfwd or forward-mode AD runs on the "
+            "reference (pure PyTorch) implementation: the fused kernels' autograd serves torch.autograd only",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _ops(op: str, device: torch.device, dtype: torch.dtype):
@@ -195,9 +256,14 @@ def attention(
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    if _under_autodiff_transform(q, k, v, attn_mask):
+        _transform_on_reference("attention")
+        return backends.reference_impl().attention_fwd(
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, _draw_seed(dropout_p)
+        )[0]
     _, (fwd, _bwd, _nf, _nb) = _ops("attention", q.device, q.dtype)
-    out, _lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale,
-                    _draw_seed(dropout_p))
+    out, _lse = _call(fwd, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal, causal_offset,
+                      float(dropout_p), scale, _draw_seed(dropout_p))
     return out
 
 
@@ -304,7 +370,8 @@ def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 def _norm(x, residual, weight, bias, eps, rms, n):
     _, (_af, _ab, fwd, _nb) = _ops("norm", x.device, x.dtype)
-    y, h, _mean, _rstd = fwd(
+    y, h, _mean, _rstd = _call(
+        fwd, (x, residual, weight, bias),
         _rows(x, n), None if residual is None else _rows(residual, n),
         _param(weight, x), _param(bias, x), float(eps), rms,
     )
@@ -326,6 +393,9 @@ def layer_norm(
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
+        return reference.layer_norm(x, shape, weight, bias, eps)
+    if _under_autodiff_transform(x, weight, bias):
+        _transform_on_reference("layer_norm")
         return reference.layer_norm(x, shape, weight, bias, eps)
     return _norm(x, None, weight, bias, eps, False, math.prod(shape))[0]
 
@@ -349,6 +419,9 @@ def add_layer_norm(
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.add_layer_norm(x, residual, weight, bias, eps)
+    if _under_autodiff_transform(x, residual, weight, bias):
+        _transform_on_reference("add_layer_norm")
+        return reference.add_layer_norm(x, residual, weight, bias, eps)
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
 
@@ -367,6 +440,9 @@ def rms_norm(
     if eps is None:
         eps = torch.finfo(reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
+        return reference.rms_norm(x, shape, weight, eps)
+    if _under_autodiff_transform(x, weight):
+        _transform_on_reference("rms_norm")
         return reference.rms_norm(x, shape, weight, eps)
     return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]
 
@@ -398,10 +474,13 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
         return input
     if p == 1.0 or input.numel() == 0:
         out = input * 0.0
+    elif _under_autodiff_transform(input):
+        _transform_on_reference("dropout")
+        out = backends.reference_impl().dropout_fwd(input, p, _draw_seed(p))[0]
     else:
         name = _selected_backend("dropout", str(input.device), input.dtype)
         fwd, _ = backends.dropout_ops_for(name)
-        out, _keep = fwd(input.contiguous(), p, _draw_seed(p))
+        out, _keep = _call(fwd, (input,), input.contiguous(), p, _draw_seed(p))
     if inplace:
         return input.copy_(out)
     return out
