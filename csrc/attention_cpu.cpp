@@ -237,9 +237,11 @@ struct Rows {
 // copy's transposes took 27% of a perf profile's samples, the rest of the forward 1.4%.
 //
 // A block of at most kFwdDotRows query rows takes its scores as dot products with the rows
-// of K and transposes nothing: a dot product costs a horizontal sum per score, a 16 x 16
-// in-register transpose ~4 shuffles per element of K, so below a few rows the dots win
-// (measured at Lk = 91 and 1024, D = 64: dots faster up to 4 rows, even at 6, slower at 8).
+// of K and transposes nothing (dots() in common.h: sixteen keys per reduce-transpose, about
+// three shuffles per score, against about four per element of K for a 16 x 16 in-register
+// transpose), so for a few rows the dots win. With one horizontal sum per score they were
+// faster up to 4 rows, even at 6 and slower at 8 (Lk = 91 and 1024, D = 64); with dots() a
+// limit of 8 measured within noise of 4 at 5 to 8 rows, so the limit stayed at 4.
 constexpr int64_t kFwdDotRows = 4;
 
 bool fwd_transposes_tiles(int64_t Lq) {
@@ -307,10 +309,7 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
     for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
       const int64_t bn = std::min(BN, kv_end - j0);
       if (tile_transpose && bm <= kFwdDotRows) {
-        for (int64_t c = 0; c < bn; ++c) {
-          const T* kc = k_rows(b, hk, j0 + c);
-          for (int64_t r = 0; r < bm; ++r) s.s[r * BN + c] = dot(s.q.data() + r * D, kc, D);
-        }
+        for (int64_t r = 0; r < bm; ++r) dots(s.q.data() + r * D, k_rows(b, hk, j0), k_rows.si, bn, D, s.s.data() + r * BN);
       } else if (tile_transpose) {
         transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
         gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = (scale Q) K^T

@@ -170,6 +170,68 @@ inline T dot(const T* x, const T* y, int64_t n) {
   return lane_sum(acc);
 }
 
+// out[c] = dot(x, y + c * ld_y, n) for c < m: the scores of one query row against m key rows.
+// fp32 with AVX-512 takes sixteen keys at a time: sixteen accumulators, then one
+// reduce-transpose (the add of an unpack-32, an unpack-64 and two 128-bit lane-shuffle
+// rounds, as in transpose16_f32 below) leaves the sixteen sums in one register, about three
+// shuffles per score where a horizontal sum per score takes eight instructions in a
+// dependency chain. Attention forward calls with one query (B=8 H=4 D=64, 100 keys) took
+// 22.2-23.5 us against 25.2-30.7 us with one dot() per key; over 1024 keys (B=4 H=8)
+// 130-144 us against 157-189 us (2-core AMD EPYC, three alternating runs of each build).
+#if defined(CPU_CAPABILITY_AVX512)
+inline void dots16_f32(const float* x, const float* y, int64_t ld_y, int m, int64_t n, float* out) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int c = 0; c < 16; ++c) a[c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      if (c < m) a[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(y + c * ld_y + k), a[c]);
+    }
+  }
+  if (k < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - k)) - 1);
+    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + k);
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      if (c < m) a[c] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, y + c * ld_y + k), a[c]);
+    }
+  }
+  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] for keys x = 2i, y = 2i + 1
+  __m512 b[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  // per 128-bit lane: the lane's partial sums of keys 4i .. 4i + 3
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  // lanes (L0 + L1, L2 + L3) of a pair, then once more: keys 0 .. 15 in order
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88), _mm512_shuffle_f32x4(a[0], a[1], 0xdd));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x88), _mm512_shuffle_f32x4(a[2], a[3], 0xdd));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << m) - 1), e);
+}
+#endif
+
+template <typename T>
+inline void dots(const T* x, const T* y, int64_t ld_y, int64_t m, int64_t n, T* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t c = 0; c < m; c += 16) {
+      dots16_f32(x, y + c * ld_y, ld_y, static_cast<int>(std::min<int64_t>(16, m - c)), n, out + c);
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < m; ++c) out[c] = dot(x, y + c * ld_y, n);
+}
+
 // dst[k] = T(src[k]) * a   (src in any float dtype; a conversion and a scale in one pass)
 template <typename src_t, typename T>
 inline void load_scaled(const src_t* src, T* dst, int64_t n, T a) {

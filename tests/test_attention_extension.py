@@ -114,7 +114,9 @@ MASK_KINDS = [
 # heads, head dims from 8 to 256. The CPU forward takes the scores of a single block of up to
 # 4 query rows as dot products, of a single larger block through per-tile transposes of K, and
 # of several blocks from a transposed copy of K: a few decoding-sized queries against several
-# key tiles, and 130 = 64 + 64 + 2 rows (a last block of two rows next to full ones).
+# key tiles, and 130 = 64 + 64 + 2 rows (a last block of two rows next to full ones). The dot
+# products run over sixteen keys at a time and the head dim in chunks of sixteen: key counts
+# and head dims that leave partial groups (D = 200 = 12 x 16 + 8).
 SHAPES = [
     (1, 1, 1, 1, 1, 8),
     (2, 4, 2, 1, 300, 64),
@@ -125,6 +127,7 @@ SHAPES = [
     (1, 3, 3, 65, 130, 24),
     (2, 2, 2, 33, 70, 128),
     (1, 2, 1, 96, 91, 32),
+    (1, 2, 1, 2, 37, 200),
 ]
 
 
