@@ -118,8 +118,13 @@ def _under_autodiff_transform(*tensors) -> bool:
     )
 
 
-def _transform_on_reference(op: str) -> None:
-    """Allow (or refuse, for a forced kernel backend) computing ``op`` on the reference under a transform."""
+def _on_reference_under_transform(op: str, *tensors) -> bool:
+    """Whether ``op`` on these inputs runs on the reference because a transform differentiates them.
+
+    Warns once per op when the backend was chosen automatically; a forced kernel backend raises.
+    """
+    if not _under_autodiff_transform(*tensors):
+        return False
     forced = backends.current_forced_backend()
     if forced not in (None, "reference"):
         raise backends.BackendUnavailableError(
@@ -135,6 +140,7 @@ def _transform_on_reference(op: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+    return True
 
 
 def _ops(op: str, device: torch.device, dtype: torch.dtype):
@@ -256,8 +262,7 @@ def attention(
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
-    if _under_autodiff_transform(q, k, v, attn_mask):
-        _transform_on_reference("attention")
+    if _on_reference_under_transform("attention", q, k, v, attn_mask):
         return backends.reference_impl().attention_fwd(
             q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, _draw_seed(dropout_p)
         )[0]
@@ -394,8 +399,7 @@ def layer_norm(
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.layer_norm(x, shape, weight, bias, eps)
-    if _under_autodiff_transform(x, weight, bias):
-        _transform_on_reference("layer_norm")
+    if _on_reference_under_transform("layer_norm", x, weight, bias):
         return reference.layer_norm(x, shape, weight, bias, eps)
     return _norm(x, None, weight, bias, eps, False, math.prod(shape))[0]
 
@@ -419,8 +423,7 @@ def add_layer_norm(
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.add_layer_norm(x, residual, weight, bias, eps)
-    if _under_autodiff_transform(x, residual, weight, bias):
-        _transform_on_reference("add_layer_norm")
+    if _on_reference_under_transform("add_layer_norm", x, residual, weight, bias):
         return reference.add_layer_norm(x, residual, weight, bias, eps)
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
@@ -441,8 +444,7 @@ def rms_norm(
         eps = torch.finfo(reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.rms_norm(x, shape, weight, eps)
-    if _under_autodiff_transform(x, weight):
-        _transform_on_reference("rms_norm")
+    if _on_reference_under_transform("rms_norm", x, weight):
         return reference.rms_norm(x, shape, weight, eps)
     return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]
 
@@ -474,8 +476,7 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
         return input
     if p == 1.0 or input.numel() == 0:
         out = input * 0.0
-    elif _under_autodiff_transform(input):
-        _transform_on_reference("dropout")
+    elif _on_reference_under_transform("dropout", input):
         out = backends.reference_impl().dropout_fwd(input, p, _draw_seed(p))[0]
     else:
         name = _selected_backend("dropout", str(input.device), input.dtype)
