@@ -238,8 +238,9 @@ struct Rows {
 //
 // A block of at most kFwdDotRows query rows takes its scores as dot products with the rows
 // of K and transposes nothing (dots() in common.h: sixteen keys per reduce-transpose, about
-// three shuffles per score, against about four per element of K for a 16 x 16 in-register
-// transpose), so for a few rows the dots win. With one horizontal sum per score they were
+// two shuffles and one add per score and query row, against four shuffles per key for a
+// 16 x 16 in-register transpose, shared by the rows but followed by a GEMM), so for a few
+// rows the dots win. With one horizontal sum per score they were
 // faster up to 4 rows, even at 6 and slower at 8 (Lk = 91 and 1024, D = 64); with dots() a
 // limit of 8 measured within noise of 4 at 5 to 8 rows, so the limit stayed at 4.
 constexpr int64_t kFwdDotRows = 4;
