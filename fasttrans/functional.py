@@ -78,11 +78,14 @@ def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) ->
     return name
 
 
-# The autograd kernel that register_autograd adds to an op runs in Python (about 4 us a
-# call on a 2-core CPU): more than a decoding step's whole attention kernel over a short
-# cache. When no input needs a gradient, calls go below it, to the device kernel, as the
-# autograd kernel itself would. Inside torch.compile the ops are traced as they are.
+# The autograd kernel that register_autograd adds to an op runs in Python, reached through
+# the dispatcher (about 4 us a call on a 2-core CPU without a gradient, 12 us with one): more
+# than a decoding step's whole attention kernel over a short cache. Eager calls skip it:
+# without a gradient they go below it, to the device kernel, as it would itself; with one,
+# they apply an autograd.Function holding the same formulas (backends.eager_autograd).
+# Inside torch.compile and torch.func transforms the ops are called as registered.
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+_functorch = torch._C._functorch
 
 
 def _needs_grad(*tensors) -> bool:
@@ -90,11 +93,16 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _call(op, grad_inputs: tuple, *args):
-    """op(*args), below its autograd kernel when none of grad_inputs needs a gradient."""
-    if _below_autograd is None or _is_compiling() or _needs_grad(*grad_inputs):
+    """op(*args), recording its backward when one of grad_inputs needs a gradient."""
+    if _below_autograd is None or _is_compiling():
         return op(*args)
-    with _below_autograd():
+    if not _needs_grad(*grad_inputs):
+        with _below_autograd():
+            return op(*args)
+    function = backends.eager_autograd(op)
+    if function is None or _functorch.maybe_current_level() is not None:
         return op(*args)
+    return function.apply(*args)
 
 
 # torch.func transforms and forward-mode AD. The ops' autograd is registered with
@@ -103,7 +111,6 @@ def _call(op, grad_inputs: tuple, *args):
 # under such a transform are computed by the reference implementation instead, whose
 # PyTorch ops every transform can differentiate (eager only; vmap alone keeps the kernels).
 _transform_warned: set[str] = set()
-_functorch = torch._C._functorch
 
 
 def _under_autodiff_transform(*tensors) -> bool:
