@@ -584,10 +584,18 @@ def _register_fake_and_autograd(name: str) -> None:
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
         ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
         ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
+        ctx.forced = current_forced_backend()
 
     def attention_backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            _differentiable_backward_allowed("attention", name, ctx.forced)
+            grads = _grad_with_graph(
+                lambda q, k, v, m: _ReferenceImpl.attention_fwd(
+                    q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
+                (q, k, v, attn_mask), ctx.needs_input_grad[:4], (dout,))
+            return (*grads, None, None, None, None, None, None)
         # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
         # expanded (stride 0): only a non-unit innermost stride costs a copy
         dq, dk, dv, dmask = attention_bwd_op(
@@ -604,15 +612,27 @@ def _register_fake_and_autograd(name: str) -> None:
         y, h, mean, rstd = output
         ctx.has_residual = residual is not None
         ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
-        ctx.rms = rms
+        ctx.rms, ctx.eps = rms, eps
+        ctx.forced = current_forced_backend()
         # when only y is used, h's gradient stays None instead of an all-zero (M, N) tensor
         ctx.set_materialize_grads(False)
 
     def norm_backward(ctx, dy, dh, dmean, drstd):
         h, weight, bias, mean, rstd = ctx.saved_tensors
+        dh = dh if ctx.has_residual else None
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            _differentiable_backward_allowed("norm", name, ctx.forced)
+            needs = ctx.needs_input_grad
+            grads = (None, None, None)
+            if dy is not None:
+                grads = _grad_with_graph(
+                    lambda h, w, b: _ReferenceImpl.norm_fwd(h, None, w, b, ctx.eps, ctx.rms)[0],
+                    (h, weight, bias), (needs[0] or needs[1], needs[2], needs[3]), (dy,))
+            dx = grads[0] if dh is None else (dh if grads[0] is None else grads[0] + dh)
+            return dx, (dx if ctx.has_residual else None), grads[1], grads[2], None, None
         if dy is None:
             dy = torch.zeros_like(h)
-        dh = last_dim_unit_stride(dh) if (ctx.has_residual and dh is not None) else None
+        dh = last_dim_unit_stride(dh) if dh is not None else None
         dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
         dw = dw if weight is not None else None
         db = db if bias is not None else None
@@ -628,6 +648,8 @@ def _register_fake_and_autograd(name: str) -> None:
 
     def dropout_backward(ctx, dy, dkeep):
         (keep,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
+            return _ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
         return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
 
     register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
@@ -637,6 +659,47 @@ def _register_fake_and_autograd(name: str) -> None:
                                      ("dropout_fwd", dropout_setup, dropout_backward)):
         op = getattr(ns, f"{op_name}_{name}")
         _eager_autograd[op] = _eager_function(f"{op_name}_{name}", op, setup, backward)
+
+
+# Second-order gradients. The kernels' backward is not itself differentiable: under
+# backward(create_graph=True) (gradient penalties, Hessian-vector products) the attention and
+# norm gradients are the reference forward's, taken by autograd with a graph of their own;
+# dropout's backward, linear in its gradient, is computed in PyTorch ops.
+_double_backward_warned: set[str] = set()
+
+
+def _differentiable_backward_allowed(op: str, backend: str, forced: str | None) -> None:
+    """Raise when the kernels were forced for op, else warn once that the reference computes it."""
+    if backend == "reference":
+        return
+    if forced == backend:
+        raise BackendUnavailableError(
+            f"backend '{backend}' was requested for {op}, but a gradient with create_graph=True (a second-order "
+            f"gradient) was asked of it, which its kernels do not provide; use the reference backend "
+            f"(fasttrans.use_backend('reference')) for the forward of such a graph"
+        )
+    if op not in _double_backward_warned:
+        _double_backward_warned.add(op)
+        warnings.warn(
+            f"fasttrans: {op}'s backward with create_graph=True runs on the reference (pure PyTorch) "
+            "implementation: the fused kernels' backward is not differentiable itself",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_outputs: tuple) -> tuple:
+    """Gradients of forward(*inputs) against grad_outputs for the inputs in needs (None for
+    the rest), recorded so that they can be differentiated again."""
+    wanted = [t for t, n in zip(inputs, needs) if n and t is not None]
+    if not wanted:
+        return tuple(None for _ in inputs)
+    with torch.enable_grad():
+        output = forward(*inputs)
+    grads = iter(torch.autograd.grad(output, wanted, grad_outputs, create_graph=True, allow_unused=True))
+    out = tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
+    return tuple(g if g is not None or t is None or not n else torch.zeros_like(t)
+                 for g, t, n in zip(out, inputs, needs))
 
 
 # Eager calls that record a graph apply these directly: the same setup_context and backward

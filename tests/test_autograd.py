@@ -1,11 +1,18 @@
-"""How calls that record a graph reach the ops.
+"""How calls that record a graph reach the ops, and second-order gradients.
 
 Eager calls apply an autograd.Function holding the formulas that register_autograd gives
 each forward op (backends.eager_autograd), instead of calling the op through the
 dispatcher into its Python autograd kernel. torch.compile and torch.func transforms call
 the registered op. These tests hold the two routes to the same outputs and gradients, on
 every backend, and check which route each kind of call takes.
+
+Under backward(create_graph=True) the gradients are the reference forward's, taken by
+autograd with a graph of their own, so they can be differentiated again: gradgradcheck in
+fp64 through every mask kind, the norms and dropout.
 """
+
+import contextlib
+import warnings
 
 import pytest
 import torch
@@ -128,3 +135,156 @@ def test_calls_under_vmap_keep_the_registered_op():
     wx, ww = torch.autograd.grad(want.sum(), (x, w))
     torch.testing.assert_close(gx, wx)
     torch.testing.assert_close(gw, ww)
+
+
+@pytest.fixture
+def _quiet_second_order(monkeypatch):
+    # the one-time warning is tested on its own below
+    monkeypatch.setattr(backends, "_double_backward_warned", {"attention", "norm"})
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+
+
+def _second_order_backends(op):
+    """reference (forced) and extension (chosen automatically: forced kernels refuse a
+    create_graph backward, tested below); triton runs on CPU only when forced."""
+    return [p for p in backend_params(op) if p.values[0] != "triton"]
+
+
+def _running_on(backend: str, op: str):
+    if backend == "reference":
+        return fasttrans.use_backend("reference")
+    assert backends.select_backend(op, "cpu", f64).name == backend
+    return contextlib.nullcontext()
+
+
+_ATTENTION_CASES = {
+    "float_mask": dict(mask="float"),
+    "bool_mask_gqa": dict(mask="bool", Hkv=1),
+    "key_lengths_causal": dict(key_lengths=True, is_causal=True),
+    "dropout_causal_offset": dict(dropout_p=0.3, is_causal=True, causal_offset=2),
+    "fully_masked_row": dict(mask="bool", empty_row=True),
+}
+
+
+def _attention_case(mask=None, Hkv=2, key_lengths=False, is_causal=False, causal_offset=0, dropout_p=0.0,
+                    empty_row=False):
+    B, H, Lq, Lk, D = 2, 2, 3, 5, 4
+    q = torch.randn(B, H, Lq, D, dtype=f64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, dtype=f64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, D, dtype=f64, requires_grad=True)
+    inputs, kwargs = [q, k, v], dict(is_causal=is_causal, causal_offset=causal_offset, dropout_p=dropout_p)
+    if key_lengths:
+        kwargs["key_lengths"] = torch.tensor([Lk, 2])
+    if mask == "bool":
+        m = torch.rand(B, 1, Lq, Lk) < 0.7
+        m[..., 0] = True
+        if empty_row:
+            m[1, 0, 2] = False
+        kwargs["attn_mask"] = m
+    seed = 1234
+
+    def call(q, k, v, *mask):
+        if mask:
+            kwargs["attn_mask"] = mask[0]
+        torch.manual_seed(seed)  # dropout: the same keep-mask on every evaluation
+        return fasttrans.attention(q, k, v, **kwargs)
+
+    if mask == "float":
+        inputs.append(make_float_mask((B, H, Lq, Lk), "cpu", dtype=f64, neg_inf_frac=0.0).requires_grad_())
+    return inputs, call
+
+
+@pytest.mark.usefixtures("_quiet_second_order")
+@pytest.mark.parametrize("backend", _second_order_backends("attention"))
+@pytest.mark.parametrize("case", list(_ATTENTION_CASES))
+def test_attention_second_order_gradients(backend, case):
+    inputs, call = _attention_case(**_ATTENTION_CASES[case])
+    with _running_on(backend, "attention"):
+        assert torch.autograd.gradgradcheck(call, inputs)
+
+
+def _norm_call(case):
+    if case == "layer_norm":
+        return 1, lambda x, w, b: fasttrans.layer_norm(x, 10, w, b)
+    if case == "add_layer_norm":  # both outputs used: h's gradient joins x's and residual's
+        return 2, lambda x, r, w, b: torch.cat(fasttrans.add_layer_norm(x, r, w, b), -1)
+    if case == "add_layer_norm_y":
+        return 2, lambda x, r, w, b: fasttrans.add_layer_norm(x, r, w, b)[0]
+    return 1, lambda x, w, b: fasttrans.rms_norm(x, 10, w)
+
+
+@pytest.mark.usefixtures("_quiet_second_order")
+@pytest.mark.parametrize("backend", _second_order_backends("norm"))
+@pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "add_layer_norm_y", "rms_norm"])
+def test_norm_second_order_gradients(backend, case):
+    n_x, call = _norm_call(case)
+    inputs = [torch.randn(4, 10, dtype=f64, requires_grad=True) for _ in range(n_x)]
+    inputs += [torch.randn(10, dtype=f64, requires_grad=True) for _ in range(2)]
+    with _running_on(backend, "norm"):
+        assert torch.autograd.gradgradcheck(call, inputs)
+
+
+@pytest.mark.usefixtures("_quiet_second_order")
+@pytest.mark.parametrize("backend", backend_params("dropout"))
+def test_dropout_second_order_gradients(backend):
+    x = torch.randn(8, 16, dtype=torch.float32 if backend == "triton" else f64, requires_grad=True)
+
+    def call(x):
+        torch.manual_seed(7)
+        return fasttrans.functional.dropout(x, 0.4) ** 2
+
+    with fasttrans.use_backend(backend):
+        if backend != "triton":
+            assert torch.autograd.gradgradcheck(call, (x,))
+        # d/dx of (dropout(x)^2 . g) is 2 s^2 keep g (s = 1 / (1 - p)): the Hessian-vector product
+        y = call(x)
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (hv,) = torch.autograd.grad(gx.sum(), x)
+    torch.manual_seed(7)
+    keep = fasttrans.functional.dropout_mask(x, 0.4)
+    torch.testing.assert_close(hv, 2 * keep.to(x.dtype) / 0.6 ** 2)
+
+
+@pytest.mark.usefixtures("_quiet_second_order")
+def test_create_graph_gradients_match_the_kernels():
+    """The first-order gradients a create_graph backward returns equal the kernels' own."""
+    inputs, call = _attention_case(mask="float", key_lengths=True, is_causal=True, dropout_p=0.2)
+    x = torch.randn(3, 10, dtype=f64, requires_grad=True)
+    assert backends.select_backend("attention", "cpu", f64).name == "extension"
+    g = torch.randn(2, 2, 3, 4, dtype=f64)
+    want = torch.autograd.grad((call(*inputs) * g).sum(), inputs)
+    got = torch.autograd.grad((call(*inputs) * g).sum(), inputs, create_graph=True)
+    want_x = torch.autograd.grad((fasttrans.layer_norm(x, 10) * x).sum(), x)
+    got_x = torch.autograd.grad((fasttrans.layer_norm(x, 10) * x).sum(), x, create_graph=True)
+    assert all(t.requires_grad for t in got + got_x)
+    for a, b in zip(got + got_x, want + want_x):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params("attention") if p.values[0] != "reference"])
+def test_second_order_gradients_of_a_forced_kernel_backend_raise(monkeypatch, backend):
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    dtype = torch.float32 if backend == "triton" else f64
+    x = torch.randn(3, 16, dtype=dtype, requires_grad=True)
+    inputs, call = _attention_case()
+    with fasttrans.use_backend(backend):
+        y = fasttrans.layer_norm(x, 16)
+        inputs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        out = call(*inputs)
+    (gx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # first order: the kernels
+    assert gx.abs().max() < 1e-5
+    with pytest.raises(backends.BackendUnavailableError, match=f"'{backend}'.*norm.*create_graph=True"):
+        torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(backends.BackendUnavailableError, match=f"'{backend}'.*attention.*create_graph=True"):
+        torch.autograd.grad((out * out).sum(), inputs, create_graph=True)
+
+
+def test_second_order_fallback_warns_once(monkeypatch):
+    monkeypatch.setattr(backends, "_double_backward_warned", set())
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    x = torch.randn(3, 16, dtype=f64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="norm's backward with create_graph=True"):
+        torch.autograd.grad((fasttrans.layer_norm(x, 16) ** 2).sum(), x, create_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.autograd.grad((fasttrans.layer_norm(x, 16) ** 2).sum(), x, create_graph=True)
