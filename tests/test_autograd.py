@@ -288,3 +288,31 @@ def test_second_order_fallback_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.autograd.grad((fasttrans.layer_norm(x, 16) ** 2).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_layer(use_reentrant):
+    """torch.utils.checkpoint reruns the forward in backward: the dropout masks must come
+    out the same (their seeds are drawn from torch's generator, whose state checkpoint
+    restores), so outputs and gradients equal an uncheckpointed run exactly."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = fasttrans.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.2, batch_first=True)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def run(call):
+        layer.zero_grad()
+        x.grad = None
+        torch.manual_seed(1)
+        y = call(x)
+        y.square().sum().backward()
+        return [y.detach(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    plain = run(lambda x: layer(x, src_key_padding_mask=pad))
+    checkpointed = run(lambda x: checkpoint(lambda x: layer(x, src_key_padding_mask=pad), x,
+                                            use_reentrant=use_reentrant))
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch.manual_seed(2)  # and the dropout did act: another seed gives other numbers
+    assert not torch.equal(layer(x, src_key_padding_mask=pad).detach(), plain[0])
