@@ -55,6 +55,8 @@ def _is_compiling() -> bool:
 def _check_tensor(name: str, t, ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if ndim is not None and t.dim() != ndim:
         raise ShapeError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
 

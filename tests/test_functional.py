@@ -50,6 +50,10 @@ ATTENTION_ERRORS = [
     ("dropout_p negative", dict(dropout_p=-0.1), ShapeError, "dropout_p"),
     ("scale", dict(scale=float("nan")), ShapeError, "scale"),
     ("not a tensor", dict(q=[1.0]), TypeError, "q"),
+    ("sparse q", dict(q=q0.to_sparse()), TypeError, "q: expected a dense"),
+    ("sparse v", dict(v=v0.to_sparse()), TypeError, "v: expected a dense"),
+    ("sparse mask", dict(attn_mask=torch.ones(5, 7, dtype=torch.bool).to_sparse()), TypeError, "attn_mask: expected a dense"),
+    ("sparse key_lengths", dict(key_lengths=torch.tensor([1, 2]).to_sparse()), TypeError, "key_lengths: expected a dense"),
 ]
 
 
@@ -81,6 +85,10 @@ NORM_ERRORS = [
     (lambda: fasttrans.add_layer_norm(x0, None), TypeError, "residual"),
     (lambda: fasttrans.rms_norm(x0, (4, 5)), ShapeError, "normalized_shape"),
     (lambda: fasttrans.rms_norm(x0, (6,), torch.ones(6, dtype=torch.int32)), DTypeError, "weight"),
+    (lambda: fasttrans.layer_norm(x0.to_sparse(), (6,)), TypeError, "x: expected a dense"),
+    (lambda: fasttrans.layer_norm(x0, (6,), None, torch.ones(6).to_sparse()), TypeError, "bias: expected a dense"),
+    (lambda: fasttrans.add_layer_norm(x0, x0.to_sparse()), TypeError, "residual: expected a dense"),
+    (lambda: functional.dropout(x0.to_sparse(), 0.5), TypeError, "input: expected a dense"),
 ]
 
 
