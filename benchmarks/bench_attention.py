@@ -13,7 +13,9 @@ Sweeps (select with --sweep):
     short     short queries, float32, D=64: the seq2seq model's attention in training (B=64
               H=4: encoder 91 x 91 with key padding, decoder 9 x 9 causal, cross-attention
               9 x 91) and incremental decoding (one query against 100 and 1024 cached keys),
-              forward and forward+backward (decoding: forward only).
+              forward and forward+backward (decoding: forward only); and a call of
+              B=1 H=1 with 4 queries and 8 keys, forward and forward+backward, where the
+              per-call costs outside the kernel are most of the time.
 
 Providers: fasttrans-<backend> for every registered backend (forced with
 fasttrans.use_backend), torch (F.scaled_dot_product_attention with the equivalent mask:
@@ -244,6 +246,7 @@ def short_shapes(quick: bool) -> list[tuple]:
         ("cross 9 x 91", 64, 4, 9, 91, "key_padding", MODES),
         ("decode 1 x 100", 8, 4, 1, 100, "none", ("fwd",)),
         ("decode 1 x 1024", 4, 8, 1, 1024, "none", ("fwd",)),
+        ("tiny 4 x 8", 1, 1, 4, 8, "none", MODES),
     ]
 
 

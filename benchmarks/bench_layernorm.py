@@ -6,6 +6,9 @@ Sweeps (select with --sweep):
     sweep     hidden size N from 256 to 65536 for each op, forward and forward+backward;
               CPU: M*N = 2^22 elements (16 MiB per fp32 tensor), N = 256, 1024, ..., 65536;
               CUDA: M = 4096 rows, every power of two.
+    small     one row of 1024 (a decoding step's norm, batch 1), layer_norm and
+              add_layer_norm, forward (no gradient recorded) and forward+backward: the
+              per-call cost of the Python glue, the autograd route and the kernel launch.
 
 Providers: fasttrans-<backend> for every registered backend, torch (F.layer_norm,
 F.layer_norm(x + r), F.rms_norm) and, on CUDA, torch-compile.
@@ -144,6 +147,10 @@ def configs(bench: common.Bench, ops, modes, hidden):
             for mode in MODES:
                 if keep(op, N, mode):
                     yield norm_config(bench, "sweep", op, M, N, mode, bench.args.dtype)
+    for op in ("layer_norm", "add_layer_norm"):
+        for mode in MODES:
+            if keep(op, 1024, mode):
+                yield norm_config(bench, "small", op, 1, 1024, mode, torch.float32, case=f"{op} 1 x 1024 {mode}")
 
 
 def main(argv=None) -> int:
@@ -162,6 +169,10 @@ def main(argv=None) -> int:
 
     bench.plot_lines("sweep", "sweep", x="N", panels=("mode", "op"),
                      title=f"norm throughput ({common.dtype_name(args.dtype)}, higher is better)")
+    small = [r for r in bench.results if r.config.sweep == "small"]
+    bench.plot_bars("small", [
+        ("speedup vs torch (median / median, providers interleaved in one run)", small, "speedup"),
+    ], title="norms: one row of 1024 (float32)")
     timed = [r for r in bench.results if r.config.sweep == "headline"]
     bench.plot_bars("headline", [
         ("speedup vs torch (median / median, providers interleaved in one run)", timed, "speedup"),
