@@ -316,3 +316,26 @@ def test_activation_checkpointing_recomputes_the_same_layer(use_reentrant):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     torch.manual_seed(2)  # and the dropout did act: another seed gives other numbers
     assert not torch.equal(layer(x, src_key_padding_mask=pad).detach(), plain[0])
+
+
+@pytest.mark.usefixtures("_quiet_second_order")
+def test_gradient_penalty_through_an_encoder_layer_matches_torch():
+    """A gradient penalty (the norm of d out / d x, itself differentiated for the weights)
+    through a post-norm encoder layer with key padding gives torch.nn's numbers."""
+    torch.manual_seed(0)
+    kw = dict(d_model=16, nhead=4, dim_feedforward=32, dropout=0.0, batch_first=True, dtype=f64)
+    ours, theirs = fasttrans.nn.TransformerEncoderLayer(**kw), torch.nn.TransformerEncoderLayer(**kw)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 5, 16, dtype=f64)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def penalty_grads(layer):
+        xi = x.clone().requires_grad_()
+        # torch's CPU flash attention has no double backward: its math kernel has
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = layer(xi, src_key_padding_mask=pad)
+            (gx,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
+            return torch.autograd.grad(gx.square().sum(), list(layer.parameters()))
+
+    for name, a, b in zip([n for n, _ in ours.named_parameters()], penalty_grads(ours), penalty_grads(theirs)):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
