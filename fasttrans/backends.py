@@ -590,7 +590,7 @@ def _register_fake_and_autograd(name: str) -> None:
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
-            _differentiable_backward_allowed("attention", name, ctx.forced)
+            _check_second_order("attention", name, ctx.forced)
             grads = _grad_with_graph(
                 lambda q, k, v, m: _ReferenceImpl.attention_fwd(
                     q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
@@ -621,7 +621,7 @@ def _register_fake_and_autograd(name: str) -> None:
         h, weight, bias, mean, rstd = ctx.saved_tensors
         dh = dh if ctx.has_residual else None
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
-            _differentiable_backward_allowed("norm", name, ctx.forced)
+            _check_second_order("norm", name, ctx.forced)
             needs = ctx.needs_input_grad
             grads = (None, None, None)
             if dy is not None:
@@ -668,7 +668,7 @@ def _register_fake_and_autograd(name: str) -> None:
 _double_backward_warned: set[str] = set()
 
 
-def _differentiable_backward_allowed(op: str, backend: str, forced: str | None) -> None:
+def _check_second_order(op: str, backend: str, forced: str | None) -> None:
     """Raise when the kernels were forced for op, else warn once that the reference computes it."""
     if backend == "reference":
         return
@@ -697,9 +697,7 @@ def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_output
     with torch.enable_grad():
         output = forward(*inputs)
     grads = iter(torch.autograd.grad(output, wanted, grad_outputs, create_graph=True, allow_unused=True))
-    out = tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
-    return tuple(g if g is not None or t is None or not n else torch.zeros_like(t)
-                 for g, t, n in zip(out, inputs, needs))
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
 
 
 # Eager calls that record a graph apply these directly: the same setup_context and backward

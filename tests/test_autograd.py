@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fasttrans
 from fasttrans import backends
@@ -112,6 +113,23 @@ def test_dropout_routes_agree(backend):
 
 def _graph_node(t: torch.Tensor) -> str:
     return type(t.grad_fn).__name__
+
+
+def test_calls_without_gradients_record_no_graph_and_match():
+    x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16)
+    w = torch.randn(16, requires_grad=True)
+    y, h = fasttrans.add_layer_norm(x, r, w, None)
+    with torch.no_grad():
+        y0, h0 = fasttrans.add_layer_norm(x, r, w, None)
+    assert y0.grad_fn is None and not y0.requires_grad and not h0.requires_grad
+    torch.testing.assert_close(y0, y.detach())
+    torch.testing.assert_close(h0, h.detach())
+    # only the weight needs a gradient: the autograd kernel must still run
+    y1 = fasttrans.layer_norm(x.detach(), (16,), w)
+    (dw,) = torch.autograd.grad(y1.sum(), w)
+    w_ref = w.detach().clone().requires_grad_()
+    (dw_ref,) = torch.autograd.grad(F.layer_norm(x.detach(), (16,), w_ref).sum(), w_ref)
+    torch.testing.assert_close(dw, dw_ref)
 
 
 def test_eager_calls_with_a_gradient_apply_the_eager_function():
@@ -240,6 +258,9 @@ def test_dropout_second_order_gradients(backend):
         y = call(x)
         (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
         (hv,) = torch.autograd.grad(gx.sum(), x)
+        # the first-order gradient is the kernels' own, rounding included
+        (want,) = torch.autograd.grad(call(x).sum(), x)
+    torch.testing.assert_close(gx, want, rtol=0, atol=0)
     torch.manual_seed(7)
     keep = fasttrans.functional.dropout_mask(x, 0.4)
     torch.testing.assert_close(hv, 2 * keep.to(x.dtype) / 0.6 ** 2)
