@@ -1,6 +1,7 @@
 # Set-up and entry points. Each target creates .venv when missing and installs what it needs.
 #
-# torch: a machine that already has torch keeps it (the venv sees the system packages);
+# torch: a machine that already has torch keeps it (the venv sees the packages of $(PY), also
+# when $(PY) is itself a virtual environment, through a .pth file naming its site-packages);
 # otherwise torch==2.13.0 is installed explicitly, which on CPU machines resolves to the
 # local CPU build. The package itself is installed with --no-build-isolation so pip never
 # builds in an isolated environment (where a torch requirement would pull a CUDA build).
@@ -19,6 +20,8 @@ $(STAMP): setup.py
 		if $(PY) -c "import torch" >/dev/null 2>&1; then \
 			echo "using the torch already installed for $(PY)"; \
 			$(PY) -m venv --system-site-packages $(VENV); \
+			$(PY) -c "import site; print(*site.getsitepackages(), sep='\n')" \
+				> "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_fasttrans_host.pth"; \
 		else \
 			$(PY) -m venv $(VENV); \
 		fi; \
