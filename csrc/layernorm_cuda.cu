@@ -125,7 +125,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) norm_bwd_rows_kernel(int
     float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
     for (int64_t k = threadIdx.x; k < N; k += kThreads) {
       const float xh = (to_float(hr[k]) - mu) * rs;
-      const float g = w ? to_float(dyr[k]) * w[k] : to_float(dyr[k]);
+      // g rounded on its own (no FMA contraction into the sums below): with one column
+      // g - mean(g) must be exactly 0, as in the CPU kernels (-ffp-contract=off)
+      const float g = w ? __fmul_rn(to_float(dyr[k]), w[k]) : to_float(dyr[k]);
       sg += g;
       sx += xh;
       sgx = fmaf(g, xh, sgx);
@@ -136,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) norm_bwd_rows_kernel(int
     for (int64_t k = threadIdx.x; k < N; k += kThreads) {
       const float xh = fmaf(to_float(hr[k]) - mu, rs, -mean_x);
       const float dyk = to_float(dyr[k]);
-      const float g = w ? dyk * w[k] : dyk;
+      const float g = w ? __fmul_rn(dyk, w[k]) : dyk;
       float v = rs * (g - mean_g - xh * mean_gx);
       if (dh) v += to_float(dh[row * N + k]);
       dx[row * N + k] = from_float<T>(v);
