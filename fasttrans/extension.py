@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -189,6 +190,70 @@ def _source_hash(with_cuda: bool) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# The C++ runtime the library links
+# --------------------------------------------------------------------------------------
+def _elf_needed(path: Path) -> list[str] | None:
+    """The shared libraries a 64-bit little-endian ELF file names as needed (DT_NEEDED), in
+    order; None when the file is missing or in another format."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":  # ELFCLASS64, ELFDATA2LSB
+        return None
+    (phoff,) = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 1:  # PT_LOAD
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:  # PT_DYNAMIC
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        return []
+    names, strtab = [], None
+    for off in range(dynamic[0], dynamic[0] + dynamic[1] - 15, 16):
+        tag, value = struct.unpack_from("<qQ", data, off)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED: an offset into the string table
+            names.append(value)
+        elif tag == 5:  # DT_STRTAB: the string table's address
+            strtab = value
+    base = next((off + strtab - vaddr for vaddr, off, size in loads
+                 if strtab is not None and vaddr <= strtab < vaddr + size), None)
+    if base is None:
+        return None if names else []
+    return [data[base + n: data.index(b"\0", base + n)].decode() for n in names]
+
+
+def _runtime_problem(library: Path, cxx: str) -> str | None:
+    """Why ``library`` cannot share a process with torch, else None.
+
+    torch's libraries use the shared C++ runtime (libstdc++.so). A compiler whose link step
+    finds only the static libstdc++ (some relocated toolchains) puts a second copy of the
+    runtime into the library; the two copies' stream and locale state then meet when an
+    error message formats a number, and the process dies of a segmentation fault. Detected
+    from the libraries each file needs; formats other than 64-bit little-endian ELF are not
+    checked.
+    """
+    torch_needs = _elf_needed(Path(torch.__file__).parent / "lib" / "libc10.so")
+    ours = _elf_needed(library)
+    if not torch_needs or ours is None or not any(n.startswith("libstdc++.so") for n in torch_needs):
+        return None
+    if any(n.startswith("libstdc++.so") for n in ours):
+        return None
+    source = f" (from CXX={os.environ['CXX']})" if os.environ.get("CXX") else ""
+    return (
+        f"the C++ compiler {cxx}{source} linked a static copy of the C++ runtime (libstdc++) into {library}, "
+        "while torch uses the shared libstdc++.so; two copies of the runtime in one process crash it. "
+        "Point CXX at a compiler that links libstdc++ dynamically (e.g. CXX=/usr/bin/g++), or give this one "
+        "its libstdc++.so"
+    )
+
+
+# --------------------------------------------------------------------------------------
 # The build plan (computed once per process)
 # --------------------------------------------------------------------------------------
 class _Plan:
@@ -323,9 +388,15 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
             plan = _get_plan()
             lock_path = plan.build_dir.with_name(plan.build_dir.name + ".lock")
             with _file_lock(lock_path):
-                if not (plan.marker.exists() and plan.library.exists()):
+                cached = plan.marker.exists() and plan.library.exists()
+                if not cached:
                     _build(plan, verbose)  # also loads the library into this process
-                elif not _ops_defined():
+                # checked before a cached library is loaded; a fresh build is loaded already, but
+                # the backend never calls its ops
+                problem = _runtime_problem(plan.library, plan.cxx)
+                if problem is not None:
+                    raise ExtensionBuildError(problem)
+                if cached and not _ops_defined():
                     torch.ops.load_library(str(plan.library))
             if not _ops_defined():
                 raise ExtensionBuildError(f"{plan.library} loaded but did not define the fasttrans::*_extension ops")

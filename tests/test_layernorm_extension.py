@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -444,3 +445,55 @@ def test_failed_build_falls_back_when_automatic_and_raises_when_forced(tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "ok" in out, err[-3000:]
 
+
+def _shared_library(tmp_path, name, flags):
+    """A one-function C++ shared library built with the extension's compiler and ``flags``."""
+    src = tmp_path / "f.cpp"
+    src.write_text("#include <sstream>\n#include <string>\n"
+                   "std::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+    out = tmp_path / name
+    cxx = extension._compiler()[0]
+    proc = subprocess.run([cxx, "-shared", "-fPIC", *flags, str(src), "-o", str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"{cxx} {' '.join(flags)} cannot link a shared library here: {proc.stderr[-300:]}")
+    return out
+
+
+def test_a_static_cxx_runtime_in_the_library_is_detected(ext, tmp_path):
+    # a second copy of libstdc++ in the library crashes the process when an error message
+    # formats a number (seen with a toolchain whose link step found only libstdc++.a)
+    plan = extension._get_plan()
+    assert any(n.startswith("libstdc++.so") for n in extension._elf_needed(plan.library))
+    assert extension._runtime_problem(plan.library, plan.cxx) is None
+    shared = _shared_library(tmp_path, "shared.so", [])
+    static = _shared_library(tmp_path, "static.so", ["-static-libstdc++"])
+    assert "libstdc++.so.6" in extension._elf_needed(shared)
+    assert not any(n.startswith("libstdc++") for n in extension._elf_needed(static))
+    assert extension._runtime_problem(shared, "g++") is None
+    why = extension._runtime_problem(static, "/opt/tc/g++")
+    assert "/opt/tc/g++ linked a static copy of the C++ runtime (libstdc++)" in why and "CXX=" in why
+    assert extension._elf_needed(tmp_path / "missing.so") is None
+    assert extension._elf_needed(Path(__file__)) is None  # not ELF
+
+
+def test_a_library_with_its_own_cxx_runtime_is_never_loaded(ext):
+    code = """
+        import warnings, pytest, torch, fasttrans
+        from fasttrans import extension
+        extension._runtime_problem = lambda library, cxx: "a static copy of the C++ runtime (test)"
+        with pytest.raises(extension.ExtensionBuildError, match=r"static copy of the C\\+\\+ runtime \\(test\\)"):
+            extension.load()
+        assert not extension._ops_defined()  # the cached library was not loaded
+        x = torch.randn(3, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = fasttrans.layer_norm(x, (8,))
+        assert any("static copy" in str(w.message) for w in caught), caught
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)))
+        with fasttrans.use_backend("extension"), pytest.raises(fasttrans.BackendUnavailableError, match="static copy"):
+            fasttrans.layer_norm(x, (8,))
+        print("ok")
+    """
+    proc = _python(code)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "ok" in out, err[-3000:]
