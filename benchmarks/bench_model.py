@@ -124,7 +124,7 @@ def model_inputs(spec, batch: int, src_len: int, tgt_len: int, device: str, dtyp
 # --------------------------------------------------------------------------------------
 def train_step(model, inp, backend: str | None, forward=None):
     """One optimisation step: forward, cross-entropy, backward, Adam."""
-    forward = forward or model
+    forward = model if forward is None else forward  # a compiled module has no truth value
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     model.train()
 

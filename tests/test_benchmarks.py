@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,15 @@ def test_steady_allocator_reuses_freed_blocks_instead_of_faulting_them_in_again(
         return float(run.stdout)
 
     assert faults("steady") < 50
+
+
+def test_train_step_takes_a_compiled_forward():
+    # torch.compile's module wrapper raises on len(), so it has no truth value
+    from benchmarks import bench_model
+
+    model = torch.nn.Linear(4, 4)
+    compiled = torch.compile(model)  # lazy: nothing is compiled until a call
+    with pytest.raises(TypeError):
+        bool(compiled)
+    inp = types.SimpleNamespace(src=torch.zeros(2, 4), tgt_in=None, tgt_out=torch.zeros(2, dtype=torch.long))
+    assert callable(bench_model.train_step(model, inp, None, forward=compiled))
