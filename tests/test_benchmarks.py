@@ -357,3 +357,44 @@ def test_train_step_takes_a_compiled_forward():
         bool(compiled)
     inp = types.SimpleNamespace(src=torch.zeros(2, 4), tgt_in=None, tgt_out=torch.zeros(2, dtype=torch.long))
     assert callable(bench_model.train_step(model, inp, None, forward=compiled))
+
+
+def test_profile_call_splits_the_host_time_of_each_provider(capsys):
+    from benchmarks import profile_call
+
+    assert profile_call.main(["--op", "add_layer_norm", "--shape", "3,64", "--mode", "fwd+bwd", "--calls", "20",
+                              "--device", "cpu", "--provider", "fasttrans-extension,fasttrans-triton,torch"]) == 0
+    out = capsys.readouterr().out
+    sections = dict(part.split("\n", 1) for part in out.split("\n== ")[1:])
+    assert set(sections) == {"fasttrans-extension", "fasttrans-triton", "torch"}
+    assert "unavailable:" in sections["fasttrans-triton"]  # TRITON_INTERPRET: never timed
+    for name in ("fasttrans-extension", "torch"):
+        text = sections[name]
+        wall = float(text.split("wall")[1].split()[0])
+        profiled = float(text.split("profiled")[1].split()[0])
+        assert wall > 0 and profiled > 0, text
+        assert "C (torch ops, launches, builtins)" in text and "top functions" in text
+    assert "  fasttrans\n" in sections["fasttrans-extension"] and "norm_fwd_extension" in sections["fasttrans-extension"]
+    assert "  fasttrans\n" not in sections["torch"]
+
+
+def test_profile_call_places_code_by_package():
+    import triton
+
+    import fasttrans.kernels
+    from benchmarks import profile_call
+
+    areas = profile_call._areas()
+    assert profile_call.area_of(fasttrans.kernels.layernorm.__file__, areas) == "fasttrans.kernels"
+    assert profile_call.area_of(fasttrans.functional.__file__, areas) == "fasttrans"
+    assert profile_call.area_of(triton.runtime.jit.__file__, areas) == "triton"
+    assert profile_call.area_of(torch.nn.functional.__file__, areas) == "torch (Python)"
+    assert profile_call.area_of("~", areas).startswith("C ")
+    assert profile_call.area_of(__file__, areas) == "other Python"
+
+
+def test_profile_call_rejects_a_shape_of_the_wrong_rank():
+    from benchmarks import profile_call
+
+    with pytest.raises(SystemExit, match="attention takes B,H,L,D"):
+        profile_call.main(["--op", "attention", "--shape", "2,8", "--device", "cpu", "--calls", "1"])
