@@ -9,7 +9,7 @@
 // - Dynamic shared memory is one buffer per launch, filled with NaN before every block, so
 //   a read of it that no thread of the block has written shows up as NaN.
 // - Only what the kernels use is here: fp16 (through the compiler's _Float16) and bf16
-//   conversions rounding to nearest even, fmaf and the math of <cmath>. Memory ordering
+//   conversions rounding to nearest even, fmaf, __fmul_rn and the math of <cmath>. Memory ordering
 //   and atomics are not modelled (the kernels use none).
 #pragma once
 #include <algorithm>
@@ -49,6 +49,11 @@ inline thread_local float* t_smem;  // the launch's dynamic shared memory
 #define __shared__ static
 
 inline void __syncthreads() { t_block_bar->arrive_and_wait(); }
+// a product rounded on its own, never contracted into an FMA (the volatile store forces it)
+inline float __fmul_rn(float a, float b) {
+  volatile float p = a * b;
+  return p;
+}
 inline float __shfl_sync(unsigned, float v, int src) {
   const int lane = threadIdx.x % 32;
   t_warp.buf[lane] = v;
