@@ -194,13 +194,20 @@ def _source_hash(with_cuda: bool) -> str:
 # --------------------------------------------------------------------------------------
 def _elf_needed(path: Path) -> list[str] | None:
     """The shared libraries a 64-bit little-endian ELF file names as needed (DT_NEEDED), in
-    order; None when the file is missing or in another format."""
+    order; None when the file is missing, in another format or malformed."""
     try:
         data = path.read_bytes()
     except OSError:
         return None
     if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":  # ELFCLASS64, ELFDATA2LSB
         return None
+    try:
+        return _dynamic_needed(data)
+    except (struct.error, ValueError):  # truncated tables, a name without its NUL, bad UTF-8
+        return None
+
+
+def _dynamic_needed(data: bytes) -> list[str]:
     (phoff,) = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     loads, dynamic = [], None
@@ -224,7 +231,9 @@ def _elf_needed(path: Path) -> list[str] | None:
     base = next((off + strtab - vaddr for vaddr, off, size in loads
                  if strtab is not None and vaddr <= strtab < vaddr + size), None)
     if base is None:
-        return None if names else []
+        if names:
+            raise ValueError("DT_NEEDED entries without a string table")
+        return []
     return [data[base + n: data.index(b"\0", base + n)].decode() for n in names]
 
 

@@ -474,6 +474,9 @@ def test_a_static_cxx_runtime_in_the_library_is_detected(ext, tmp_path):
     assert "/opt/tc/g++ linked a static copy of the C++ runtime (libstdc++)" in why and "CXX=" in why
     assert extension._elf_needed(tmp_path / "missing.so") is None
     assert extension._elf_needed(Path(__file__)) is None  # not ELF
+    truncated = tmp_path / "truncated.so"
+    truncated.write_bytes(shared.read_bytes()[:100])
+    assert extension._elf_needed(truncated) is None
 
 
 def test_a_library_with_its_own_cxx_runtime_is_never_loaded(ext):
