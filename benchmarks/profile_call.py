@@ -31,17 +31,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.utils import benchmark as torch_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fasttrans  # noqa: E402
 import fasttrans.kernels  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import bench_attention, common  # noqa: E402
 
 OPS = ("attention", "layer_norm", "add_layer_norm", "rms_norm", "dropout")
 MODES = ("fwd", "fwd+bwd")
-MASKS = ("none", "causal", "key_padding")
 _BACKEND_OP = {"attention": "attention", "dropout": "dropout"}  # the others are "norm"
 
 
@@ -72,70 +70,30 @@ def area_of(filename: str, areas: Sequence[tuple[str, str]]) -> str:
 
 def make_call(op: str, shape: Sequence[int], mask: str, mode: str, dtype: torch.dtype, device: str,
               backend: str | None) -> Callable[[], object]:
-    """One call of ``op`` (fasttrans on ``backend``, or torch when None), backward included in fwd+bwd."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    grad = mode == "fwd+bwd"
-
-    def rand(*s):
-        return torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+    """The call the benchmark scripts time for ``op``: fasttrans on ``backend``, or torch when
+    None; their inputs, masks and forward(+backward) functions, reused as they are."""
+    from benchmarks import bench_dropout, bench_layernorm
 
     if op == "attention":
         if len(shape) != 4:
             raise SystemExit(f"--shape: attention takes B,H,L,D, got {','.join(map(str, shape))}")
         B, H, L, D = shape
-        q, k, v = rand(B, H, L, D), rand(B, H, L, D), rand(B, H, L, D)
-        fast_kw, torch_kw = {}, {}
-        if mask == "causal":
-            fast_kw = torch_kw = {"is_causal": True}
-        elif mask == "key_padding":
-            lengths = torch.full((B,), max(1, L - L // 4), dtype=torch.int32, device=device)
-            fast_kw = {"key_lengths": lengths}
-            torch_kw = {"attn_mask": (torch.arange(L, device=device) < lengths[:, None]).view(B, 1, 1, L)}
-        inputs = (q, k, v)
-        if backend is None:
-            def forward():
-                return F.scaled_dot_product_attention(q, k, v, **torch_kw)
-        else:
-            def forward():
-                return fasttrans.attention(q, k, v, **fast_kw)
-    else:
-        if len(shape) != 2:
-            raise SystemExit(f"--shape: {op} takes M,N, got {','.join(map(str, shape))}")
-        M, N = shape
-        x, r = rand(M, N), rand(M, N)
-        w, b = rand(N), rand(N)
-        inputs = (x, r, w, b)
-        if op == "layer_norm":
-            ours, theirs = (lambda: fasttrans.layer_norm(x, (N,), w, b)), (lambda: F.layer_norm(x, (N,), w, b))
-        elif op == "add_layer_norm":
-            ours = lambda: fasttrans.add_layer_norm(x, r, w, b)[0]  # noqa: E731
-            theirs = lambda: F.layer_norm(x + r, (N,), w, b)  # noqa: E731
-        elif op == "rms_norm":
-            ours, theirs = (lambda: fasttrans.rms_norm(x, (N,), w)), (lambda: F.rms_norm(x, (N,), w))
-        else:
-            ours = lambda: fasttrans.functional.dropout(x, 0.1, True)  # noqa: E731
-            theirs = lambda: F.dropout(x, 0.1, True)  # noqa: E731
-        forward = theirs if backend is None else ours
-
-    if not grad:
-        def call():
-            with common.backend_context(backend):
-                return forward()
-        return call
-    grad_out = None
-
-    def call():
-        nonlocal grad_out
-        with common.backend_context(backend):
-            out = forward()
-            if grad_out is None:
-                grad_out = torch.randn(out.shape, generator=g).to(device=device, dtype=out.dtype)
-            out.backward(grad_out)
-        for t in inputs:
-            t.grad = None
-        return out
-
-    return call
+        inp = bench_attention.attention_inputs(B, H, L, L, D, mask, mode, dtype, device)()
+        make = (bench_attention.torch_attention(mode, compiled=False) if backend is None
+                else bench_attention.fasttrans_attention(backend, mode))
+        return make(inp)
+    if len(shape) != 2:
+        raise SystemExit(f"--shape: {op} takes M,N, got {','.join(map(str, shape))}")
+    M, N = shape
+    if op == "dropout":
+        inp = bench_dropout.dropout_inputs(M, N, mode, dtype, device)()
+        make = (bench_dropout.torch_dropout(mode, False, bench_dropout.P) if backend is None
+                else bench_dropout.fasttrans_dropout(mode, backend, bench_dropout.P))
+        return make(inp)
+    inp = bench_layernorm.norm_inputs(op, M, N, mode, dtype, device)()
+    make = (bench_layernorm.torch_norm(op, mode, compiled=False) if backend is None
+            else bench_layernorm.fasttrans_norm(op, mode, backend))
+    return make(inp)
 
 
 def wall_us(call: Callable[[], object], calls: int) -> float:
@@ -186,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--op", choices=OPS, default="layer_norm")
     parser.add_argument("--shape", default=None,
                         help="comma-separated: B,H,L,D for attention, M,N for the others (default: 1,1,4,8 or 1,1024)")
-    parser.add_argument("--mask", choices=MASKS, default="none", help="attention only")
+    parser.add_argument("--mask", choices=bench_attention.MASKS, default="none", help="attention only")
     parser.add_argument("--mode", choices=MODES, default="fwd")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
