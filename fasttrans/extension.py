@@ -240,10 +240,10 @@ def _dynamic_needed(data: bytes) -> list[str]:
 def _runtime_problem(library: Path, cxx: str) -> str | None:
     """Why ``library`` cannot share a process with torch, else None.
 
-    torch's libraries use the shared C++ runtime (libstdc++.so). A compiler whose link step
-    finds only the static libstdc++ (some relocated toolchains) puts a second copy of the
-    runtime into the library; the two copies' stream and locale state then meet when an
-    error message formats a number, and the process dies of a segmentation fault. Detected
+    torch's libraries use the shared C++ runtime (libstdc++.so). A compiler that links the
+    static libstdc++ (seen with a relocated g++) puts a second copy of the runtime into the
+    library; the two copies' stream state then meets when an error message formats a number,
+    and there the process died of a segmentation fault. Detected
     from the libraries each file needs; formats other than 64-bit little-endian ELF are not
     checked.
     """
