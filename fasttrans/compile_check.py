@@ -16,12 +16,15 @@ one dict per (kernel, shipped launch configuration, specialisation):
                 16-byte aligned (what torch allocations give)
     archs       (optional) the architectures the configuration ships for, e.g. ["sm_90"]
                 (default: all); it is built only for those among the requested ones
+    wgmma       (optional, default True) whether a matmul target must use wgmma on sm_90;
+                False accepts mma.sync there too (tiles below wgmma's 64 rows)
 
 Every target is compiled with ``triton.compile`` for each requested architecture and checked:
 
     registers, spills   from the ptxas Triton itself uses for that architecture (``-v`` output)
     shared_bytes        ``metadata.shared``; must fit the architecture's per-block limit
-    tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90)
+    tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90; mma.sync too
+                        for targets with wgmma=False)
 
 A build is ``ok`` when it compiles, spills nothing, fits in shared memory and, for ``matmul``
 targets, uses tensor cores. The exit status is 0 only when every build is ok; a kernels module
@@ -159,14 +162,16 @@ def _ptxas_resources(ptx: str, cap: int) -> tuple[int | None, int | None, str]:
     return (int(regs.group(1)) if regs else None), spills, log
 
 
-def _tensor_core_dots(ttgir: str, cap: int) -> tuple[int, int]:
-    """(number of dots, number lowered to the architecture's tensor-core instruction)."""
+def _tensor_core_dots(ttgir: str, cap: int, mma_sync_ok: bool = False) -> tuple[int, int]:
+    """(number of dots, number lowered to the architecture's tensor-core instruction: wgmma on
+    sm_90, or mma.sync too when ``mma_sync_ok``; mma.sync below)."""
     mma_v2 = set(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = 2", ttgir, re.M))
     wgmma = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
     plain = re.findall(r"= tt\.dot .*-> tensor<[^,>]*, (#\w+)>", ttgir)
+    v2 = sum(1 for enc in plain if enc in mma_v2)
     if cap >= 90:
-        return wgmma + len(plain), wgmma
-    return wgmma + len(plain), sum(1 for enc in plain if enc in mma_v2)
+        return wgmma + len(plain), wgmma + (v2 if mma_sync_ok else 0)
+    return wgmma + len(plain), v2
 
 
 def _build(module: str, t: dict, arch: str) -> dict:
@@ -194,8 +199,11 @@ def _build(module: str, t: dict, arch: str) -> dict:
     ptx = kernel.asm["ptx"]
     row["shared_bytes"] = int(kernel.metadata.shared)
     row["registers"], row["spills"], log = _ptxas_resources(ptx, cap)
-    dots, lowered = _tensor_core_dots(kernel.asm["ttgir"], cap)
+    mma_sync_ok = cap >= 90 and not t.get("wgmma", True)
+    dots, lowered = _tensor_core_dots(kernel.asm["ttgir"], cap, mma_sync_ok)
     instruction = "wgmma.mma_async" if cap >= 90 else "mma.sync"
+    if mma_sync_ok:
+        instruction = "wgmma.mma_async" if instruction in ptx else "mma.sync"
     if dots:
         row["tensor_cores"] = lowered == dots and instruction in ptx
     elif t["matmul"]:

@@ -52,15 +52,27 @@ Limits: fp16, bf16, fp32 (fp64 runs on the reference and extension backends); he
 1..256 (padded to a power of two >= 16, padded lanes masked); any Lq, Lk; H a multiple of
 Hkv; q/k/v with stride(-1) == 1; batch and head offsets in int64, so tensors with more
 than 2^31 elements work. Grids are (query or key tiles, heads, batch): at most 65535 heads
-and 65535 batch entries. The GPU configurations are tuned for fp16/bf16 on sm_80 and sm_90
-(compute capability >= 9 uses the sm_90 table); fp32 inputs run the same configurations with
-IEEE fp32 matmuls on FMA units (tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is
-set): correct, not tuned.
+and 65535 batch entries. Each GPU configuration table has an sm_80 and an sm_90 entry
+(compute capability >= 9 uses the sm_90 one), for 16-bit inputs and, separately, for fp32.
+
+fp32 matmuls run on tensor cores as 3xTF32 (``input_precision="tf32x3"``): each operand is
+split into a TF32 part and a TF32 remainder, and three TF32 products (big*big, big*small,
+small*big) are summed in fp32. Its error is that of an fp32 matmul (the dropped small*small
+term is about 2^-22 of each product), the scheme torch's memory-efficient SDPA kernel uses
+for fp32 on sm_80 and later (CUTLASS's OpMultiplyAddFastF32). With
+``torch.backends.cuda.matmul.allow_tf32`` set, the user has accepted TF32 for fp32 matmuls,
+and a single TF32 product is used (errors near 1e-3). The two halves of every operand take
+registers, so fp32 has launch tables of its own with smaller tiles; the classes where no
+3xTF32 tile compiles without register spills (head dim 256; head dim 128 with a dense mask or
+dropout in the dQ kernel, and in sm_80's dK/dV) run IEEE fp32 dots on FMA units instead,
+more exact and slower (FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used
+the 16-bit tiles in IEEE fp32, which spill tens of KB of registers per program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -159,6 +171,73 @@ BWD_DQ_CONFIGS = {
         (256, "heavy"): [_cfg(32, 16, 4, 1)],
     },
 }
+# fp32: 3xTF32 splits every operand into two TF32 halves held in registers at once, about
+# twice a 16-bit tile's registers, so fp32 has tables of its own, each entry the largest tiles
+# that compile-check builds without spills (smaller than the 16-bit ones; below 64 rows,
+# sm_90 runs mma.sync instead of wgmma). Where no 3xTF32 tile of any size compiled without
+# spills (head dim 256, and the masked/dropout dQ and sm_80 dK/dV at 128), the class runs
+# IEEE fp32 on FMA units in small tiles instead: FP32_IEEE_CLASSES.
+FWD_CONFIGS_FP32 = {
+    "sm_90": {
+        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
+        (64, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (128, "light"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 2)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        (256, "light"): [_cfg(16, 16, 8, 1)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(128, 32, 8, 2), _cfg(128, 16, 8, 2)],
+        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 32, 4, 1)],
+        (128, "light"): [_cfg(32, 32, 4, 1)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        (256, "light"): [_cfg(16, 16, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+    },
+}
+BWD_DKDV_CONFIGS_FP32 = {
+    "sm_90": {
+        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+        (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 32, 4, 2)],
+        (128, "light"): [_cfg(16, 16, 4, 1)],
+        (128, "heavy"): [_cfg(16, 16, 4, 1)],
+        (256, "light"): [_cfg(16, 32, 4, 1)],
+        (256, "heavy"): [_cfg(16, 32, 4, 1)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(16, 64, 8, 1), _cfg(16, 32, 4, 1)],
+        (64, "heavy"): [_cfg(16, 32, 4, 2), _cfg(16, 32, 8, 1)],
+        (128, "light"): [_cfg(16, 16, 4, 1), _cfg(32, 16, 4, 1)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1)],
+        (256, "light"): [_cfg(16, 32, 4, 1)],
+        (256, "heavy"): [_cfg(16, 32, 4, 1)],
+    },
+}
+BWD_DQ_CONFIGS_FP32 = {
+    "sm_90": {
+        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
+        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 1)],
+        (128, "light"): [_cfg(32, 32, 8, 1), _cfg(16, 32, 4, 1)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1)],
+        (256, "light"): [_cfg(16, 16, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+    },
+    "sm_80": {
+        (64, "light"): [_cfg(32, 32, 4, 1), _cfg(32, 16, 4, 1)],
+        (64, "heavy"): [_cfg(32, 16, 4, 1), _cfg(32, 32, 8, 1)],
+        (128, "light"): [_cfg(32, 16, 8, 1), _cfg(16, 32, 4, 1)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1)],
+        (256, "light"): [_cfg(16, 16, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+    },
+}
+_BOTH = {(256, "light"), (256, "heavy")}
+FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
+    "fwd": {"sm_90": _BOTH, "sm_80": _BOTH},
+    "dq": {"sm_90": _BOTH | {(128, "heavy")}, "sm_80": _BOTH | {(128, "heavy")}},
+    "dkdv": {"sm_90": _BOTH, "sm_80": _BOTH | {(128, "heavy")}},
+}
+del _BOTH
 # delta = rowsum(dO * O): one configuration per head-dim class, 8K elements per operand tile
 BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 256: _cfg(32, None, 4, 1)}
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
@@ -177,6 +256,10 @@ INTERPRETER_CONFIGS = {
 # LK_BUCKET), so tuning runs at most once per bucket and feature combination.
 _TUNE_KEY = ["HEAD_DIM", "MASK_KIND", "HAS_KEY_LENGTHS", "IS_CAUSAL", "HAS_DROPOUT", "LQ_BUCKET", "LK_BUCKET"]
 _MAX_BUCKET = 1 << 16
+
+
+def _precision_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16-bit"
 
 
 def _gpu_arch(device: torch.device) -> str:
@@ -772,16 +855,19 @@ def _attention_dropout_mask_kernel(
 # --------------------------------------------------------------------------------------
 # Autotuned wrappers (GPU): one per kernel, head-dim class and weight
 # --------------------------------------------------------------------------------------
-def _autotuned(kernel, configs: dict, *extra_key: str) -> dict:
-    """{(arch, head-dim class, weight): autotuner over that entry's configurations}."""
+def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
+    """{(precision class, arch, head-dim class, weight): autotuner over that entry's configurations}."""
     key = _TUNE_KEY + list(extra_key)
-    return {(arch, *k): triton.autotune(configs=cfgs, key=key)(kernel)
+    return {(precision, arch, *k): triton.autotune(configs=cfgs, key=key)(kernel)
+            for precision, configs in tables.items()
             for arch, table in configs.items() for k, cfgs in table.items()}
 
 
-_FWD_TUNED = _autotuned(_attention_fwd_kernel, FWD_CONFIGS)
-_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, BWD_DKDV_CONFIGS, "OUTPUT")
-_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, BWD_DQ_CONFIGS, "MASK_GRAD")
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32})
+_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {"16-bit": BWD_DKDV_CONFIGS, "fp32": BWD_DKDV_CONFIGS_FP32},
+                         "OUTPUT")
+_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp32": BWD_DQ_CONFIGS_FP32},
+                       "MASK_GRAD")
 
 
 # --------------------------------------------------------------------------------------
@@ -816,18 +902,31 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
     if _interpreting():
         _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, constexprs)
         return
-    device = args[0].device
-    key = (_gpu_arch(device), _head_dim_class(constexprs["BLOCK_D"]),
-           _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
+    q = args[0]  # every launch passes q first
+    arch, precision = _gpu_arch(q.device), _precision_class(q.dtype)
+    cls = (_head_dim_class(constexprs["BLOCK_D"]), _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
+    if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
+        constexprs = dict(constexprs, INPUT_PRECISION="ieee")
+    key = (precision, arch, *cls)
+    device = q.device
     with torch.cuda.device(device):
         tuned[key][grid](*args, **constexprs, **LAUNCH_OPTIONS)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for q/k/v of ``dtype`` (see the module docstring): 3xTF32 for
+    fp32, single TF32 once ``torch.backends.cuda.matmul.allow_tf32`` is set; 16-bit operands
+    ignore it. Read at every launch, like torch reads the flag at every matmul."""
+    if dtype != torch.float32:
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
     return {
         # the interpreter's bf16 tl.dot is wrong: upcast the operands there (tensor cores on GPU)
         "DOT_FP32": dtype == torch.bfloat16 and _interpreting(),
-        "INPUT_PRECISION": "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        "INPUT_PRECISION": input_precision(dtype),
     }
 
 
@@ -953,25 +1052,29 @@ def attention_dropout_mask(q, k, dropout_p, seed):
 _IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
 _FIXED_TYPES = {"Lse": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32", "Keep": "*u8",
                 "scale": "fp32", "dropout_p": "fp32"}
-_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
-                    dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None, **extra) -> dict:
+                    dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
+                    precision: str | None = None, **extra) -> dict:
     """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
-    and dropout. Head dim = the class's largest (no padded lanes).
+    and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
+    ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
     """
+    if precision is None:
+        precision = "tf32x3" if dtype == torch.float32 else "ieee"
     io = "*" + _TRITON_DTYPE[dtype]
-    params = [p.name for p in kernel.params if not p.is_constexpr]
+    params = _runtime_params(kernel)
     constexprs = dict(cfg.kwargs, **extra)
     if dclass is not None:
         constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
     if weight is not None:
         heavy = weight == "heavy"
-        constexprs.update(DOT_FP32=False, INPUT_PRECISION="ieee", MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
+        constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
                           HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
         if heavy:
             constexprs["stride_mask_n"] = 1
@@ -985,7 +1088,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     parts = [f"d{dclass}" if dclass else None, weight, "m{BLOCK_M}".format(**cfg.kwargs),
              "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,
              f"w{cfg.num_warps}s{cfg.num_stages}", extra.get("OUTPUT") if extra.get("OUTPUT", "dkdv") != "dkdv"
-             else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None]
+             else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None,
+             precision if dtype == torch.float32 and precision != "tf32x3" else None]
     target = dict(
         kernel=name, fn=kernel, config="-".join(x for x in parts if x), signature=signature, constexprs=constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, matmul=matmul,
@@ -993,7 +1097,25 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     )
     if archs is not None:
         target["archs"] = list(archs)
+    if matmul and _wgmma_rows(kernel, cfg) < 64:
+        target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too
     return target
+
+
+def _runtime_params(kernel) -> list[str]:
+    """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
+    functions carry no parsed parameters)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return [p.name for p in params if not p.is_constexpr]
+    signature = inspect.signature(kernel.fn)
+    return [n for n, p in signature.parameters.items() if "constexpr" not in str(p.annotation)]
+
+
+def _wgmma_rows(kernel, cfg: triton.Config) -> int:
+    """The M dimension of a matmul kernel's dots: the key tile in the transposed dK/dV kernel,
+    the query tile elsewhere. wgmma (sm_90) needs >= 64; smaller tiles run mma.sync."""
+    return cfg.kwargs["BLOCK_N"] if kernel is _attention_bwd_dkdv_kernel else cfg.kwargs["BLOCK_M"]
 
 
 def compile_targets() -> list[dict]:
@@ -1009,6 +1131,27 @@ def compile_targets() -> list[dict]:
         for (dclass, weight), cfgs in BWD_DQ_CONFIGS[arch].items():
             targets += [_compile_target(_attention_bwd_dq_kernel, "attention_bwd_dq", c, dclass, weight, archs=[arch])
                         for c in cfgs]
+        # fp32: every entry of its own tables, in the precision its class runs
+        for stage, kernel, name, table in (
+            ("fwd", _attention_fwd_kernel, "attention_fwd", FWD_CONFIGS_FP32),
+            ("dkdv", _attention_bwd_dkdv_kernel, "attention_bwd_dkdv", BWD_DKDV_CONFIGS_FP32),
+            ("dq", _attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS_FP32),
+        ):
+            ieee = FP32_IEEE_CLASSES[stage][arch]
+            outputs = _dkdv_outputs if stage == "dkdv" else (lambda dclass: (None,))
+            for (dclass, weight), cfgs in table[arch].items():
+                precision = "ieee" if (dclass, weight) in ieee else "tf32x3"
+                targets += [
+                    _compile_target(kernel, name, c, dclass, weight, torch.float32, matmul=precision != "ieee",
+                                    archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
+                    for c in cfgs for out in outputs(dclass)
+                ]
+            # single TF32 (allow_tf32) holds half the operand registers of 3xTF32 in the same
+            # tiles; one build in the largest 3xTF32 class proves it lowers to tensor cores
+            dclass, weight = max((k for k in table[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))
+            targets.append(_compile_target(kernel, name, table[arch][(dclass, weight)][0], dclass, weight,
+                                           torch.float32, archs=[arch], precision="tf32",
+                                           **({"OUTPUT": _dkdv_outputs(dclass)[0]} if stage == "dkdv" else {})))
         # bf16 lowers through the same tensor-core paths; one build per matmul kernel proves it
         targets += [
             _compile_target(_attention_fwd_kernel, "attention_fwd", FWD_CONFIGS[arch][(128, "light")][0], 128,

@@ -345,9 +345,12 @@ def test_interpreter_tiles_are_small_and_unequal():
 
 
 def test_gpu_configurations_cover_every_class():
-    """Every (architecture, head-dim class, weight) has a handful of configurations; wgmma on
-    sm_90 needs the matmul M dimension (query tile; key tile in the transposed dK/dV) >= 64."""
-    for table in (K.FWD_CONFIGS, K.BWD_DKDV_CONFIGS, K.BWD_DQ_CONFIGS):
+    """Every (precision, architecture, head-dim class, weight) has a handful of configurations;
+    16-bit ones on sm_90 use wgmma, which needs the matmul M dimension (query tile; key tile in
+    the transposed dK/dV) >= 64. fp32 tiles may be smaller (mma.sync, checked by compile-check)."""
+    tables = (K.FWD_CONFIGS, K.BWD_DKDV_CONFIGS, K.BWD_DQ_CONFIGS,
+              K.FWD_CONFIGS_FP32, K.BWD_DKDV_CONFIGS_FP32, K.BWD_DQ_CONFIGS_FP32)
+    for table in tables:
         assert set(table) == {"sm_80", "sm_90"}
         for arch, classes in table.items():
             assert set(classes) == {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")}
@@ -358,6 +361,59 @@ def test_gpu_configurations_cover_every_class():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
     for cfgs in K.BWD_DKDV_CONFIGS["sm_90"].values():
         assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs)
+    # the fp32 tables are their own (3xTF32 needs about twice the registers of a 16-bit tile)
+    assert K.FWD_CONFIGS_FP32 is not K.FWD_CONFIGS and K.BWD_DQ_CONFIGS_FP32 is not K.BWD_DQ_CONFIGS
+    assert K.BWD_DKDV_CONFIGS_FP32 is not K.BWD_DKDV_CONFIGS
+
+
+def test_fp32_matmul_precision_follows_torch_tf32_flag():
+    """fp32 runs 3xTF32 (fp32-level error) unless the user allowed TF32 for fp32 matmuls."""
+    assert K.input_precision(torch.float16) == K.input_precision(torch.bfloat16) == "ieee"
+    flag = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert K.input_precision(torch.float32) == "tf32x3"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert K.input_precision(torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+
+
+def test_fp32_compile_targets_cover_every_fp32_configuration():
+    """compile-check builds every fp32 entry in the precision its class runs (3xTF32, or IEEE
+    for FP32_IEEE_CLASSES) and one single-TF32 build per kernel and arch."""
+    targets = [t for t in K.compile_targets() if "-fp32" in t["config"]]
+    stages = {"attention_fwd": ("fwd", K.FWD_CONFIGS_FP32), "attention_bwd_dq": ("dq", K.BWD_DQ_CONFIGS_FP32),
+              "attention_bwd_dkdv": ("dkdv", K.BWD_DKDV_CONFIGS_FP32)}
+    for kernel, (stage, table) in stages.items():
+        for arch in ("sm_80", "sm_90"):
+            built = [t for t in targets if t["kernel"] == kernel and t["archs"] == [arch]]
+            expected = []
+            for (d, w), cfgs in table[arch].items():
+                ieee = (d, w) in K.FP32_IEEE_CLASSES[stage][arch]
+                outputs = K._dkdv_outputs(d) if stage == "dkdv" else (None,)
+                expected += [(d, w, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], "ieee" if ieee else "tf32x3")
+                             for c in cfgs for _ in outputs]
+            got = [(t["constexprs"]["HEAD_DIM"], t["config"].split("-")[1], t["constexprs"]["BLOCK_M"],
+                    t["constexprs"]["BLOCK_N"], t["constexprs"]["INPUT_PRECISION"]) for t in built]
+            tf32 = [g for g in got if g[4] == "tf32"]
+            assert sorted(g for g in got if g[4] != "tf32") == sorted(expected), (kernel, arch)
+            assert len(tf32) == 1 and (tf32[0][0], tf32[0][1]) not in K.FP32_IEEE_CLASSES[stage][arch]
+    for t in targets:
+        assert t["signature"]["Q"] == "*fp32"
+        assert t["matmul"] == (t["constexprs"]["INPUT_PRECISION"] != "ieee"), t["config"]
+        if t["matmul"]:  # tiles below wgmma's 64 rows are allowed mma.sync on sm_90, and only those
+            rows = t["constexprs"]["BLOCK_N" if t["kernel"] == "attention_bwd_dkdv" else "BLOCK_M"]
+            assert t.get("wgmma", True) == (rows >= 64), t["config"]
+
+
+def test_fp32_ieee_classes_are_the_large_head_dims():
+    """IEEE fp32 is the exception: only classes at head dim 128 (masked) and 256."""
+    for stage, archs in K.FP32_IEEE_CLASSES.items():
+        assert set(archs) == {"sm_80", "sm_90"}
+        for classes in archs.values():
+            assert {(256, "light"), (256, "heavy")} <= classes
+            assert all(d >= 128 for d, _ in classes) and (128, "light") not in classes
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,12 +422,36 @@ def test_gpu_configurations_cover_every_class():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("kind", ["none", "causal", "bool+key_lengths", "float+causal_br"])
-@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, *LOW), ids=str)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_large(D, dtype, kind):
+    """Every head-dim class and weight of the GPU tables; fp32 (3xTF32) against the fp64 reference."""
     B, H, Hkv, Lq, Lk = 2, 8, 2, 1000, 1537
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, "cuda")
     _check(q, k, v, _masks(kind, B, H, Lq, Lk, "cuda", float_dtype=dtype), dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("D", [64, 256])
+def test_gpu_fp32_with_allow_tf32_has_tf32_error(D):
+    """With torch.backends.cuda.matmul.allow_tf32 set, fp32 matmuls are single TF32: errors
+    within a few TF32 roundings (unit 2^-11) of the fp64 reference, every gradient too."""
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 300, 517
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, "cuda")
+    kw = _masks("float+causal_br", B, H, Lq, Lk, "cuda")
+    dout = torch.randn(q.shape, device="cuda")
+    flag = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got = _run(_triton, q, k, v, dout, kw, cast=torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
+    for name in ref:
+        bound = 8 * 2.0**-11 * max(1.0, ref[name].abs().max().item())
+        err = (got[name].double() - ref[name].double()).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.2e} > {bound:.2e}"
 
 
 @pytest.mark.gpu
