@@ -1163,8 +1163,8 @@ def compile_targets() -> list[dict]:
                             128, "light", torch.bfloat16, archs=[arch]),
         ]
     for dclass, c in BWD_PREPROCESS_CONFIGS.items():
-        targets.append(_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
-                                       matmul=False))
+        targets += [_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
+                                    dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
     targets.append(_compile_target(_attention_dropout_mask_kernel, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))
     return targets

@@ -11,6 +11,7 @@ rule (tests/helpers.assert_close_lowp) against the fp32 reference on upcast inpu
 same-precision baseline ``reference.attention(..., upcast=False)`` on the low-precision inputs.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -405,6 +406,59 @@ def test_fp32_compile_targets_cover_every_fp32_configuration():
         if t["matmul"]:  # tiles below wgmma's 64 rows are allowed mma.sync on sm_90, and only those
             rows = t["constexprs"]["BLOCK_N" if t["kernel"] == "attention_bwd_dkdv" else "BLOCK_M"]
             assert t.get("wgmma", True) == (rows >= 64), t["config"]
+
+
+class _RecordingTuner(dict):
+    """Stands in for an autotuned-kernel table: records the key and constexprs of each launch."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __missing__(self, key):
+        calls = self.calls
+
+        class Launch:
+            def __getitem__(self, grid):
+                return lambda *args, **constexprs: calls.append((key, constexprs))
+
+        return Launch()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypatch):
+    """The GPU launch path (run here with the kernels replaced by a recorder): each launch looks
+    up (precision class, arch, head-dim class, weight), and fp32 classes in FP32_IEEE_CLASSES
+    launch with IEEE dots, the others with the flag's precision."""
+    calls = []
+    real = {"fwd": K._FWD_TUNED, "dkdv": K._DKDV_TUNED, "dq": K._DQ_TUNED}
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    monkeypatch.setattr(K, "_gpu_arch", lambda device: arch)
+    monkeypatch.setattr(K.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for name in ("_FWD_TUNED", "_DKDV_TUNED", "_DQ_TUNED"):
+        monkeypatch.setattr(K, name, _RecordingTuner(calls))
+    monkeypatch.setattr(K, "_run", lambda *a, **k: None)  # the preprocess kernel
+    cases = [(torch.float32, 64, {}), (torch.float32, 256, {}), (torch.float32, 128, {"dropout_p": 0.1}),
+             (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1})]
+    for dtype, D, extra in cases:
+        q, k, v = (torch.randn(1, 2, 8, D, dtype=dtype) for _ in range(3))
+        args = dict(attn_mask=None, key_lengths=None, is_causal=False, causal_offset=0,
+                    dropout_p=extra.get("dropout_p", 0.0), scale=0.1, seed=0)
+        calls.clear()
+        K.attention_fwd(q, k, v, *args.values())
+        out, lse = torch.zeros_like(q), torch.zeros(1, 2, 8)
+        K.attention_bwd(torch.ones_like(q), q, k, v, out, lse, *args.values(), False)
+        stages = ["fwd"] + ["dkdv"] * len(K._dkdv_outputs(D)) + ["dq"]
+        assert len(calls) == len(stages)
+        weight = "heavy" if extra else "light"
+        for stage, (key, constexprs) in zip(stages, calls):
+            precision = "fp32" if dtype == torch.float32 else "16-bit"
+            assert key == (precision, arch, D, weight)
+            expected = K.input_precision(dtype)
+            if dtype == torch.float32 and (D, weight) in K.FP32_IEEE_CLASSES[stage][arch]:
+                expected = "ieee"
+            assert constexprs["INPUT_PRECISION"] == expected, (stage, dtype, D)
+            assert key in real[stage]  # an autotuner exists for it
 
 
 def test_fp32_ieee_classes_are_the_large_head_dims():
