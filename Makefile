@@ -12,6 +12,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.fasttrans-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: demo test test-gpu bench bench-quick compile-check info clean
 
@@ -41,16 +42,16 @@ test-gpu: $(STAMP)
 	$(PYTHON) -m pytest tests -m gpu $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PYTHON) benchmarks/bench_attention.py
-	$(PYTHON) benchmarks/bench_layernorm.py
-	$(PYTHON) benchmarks/bench_dropout.py
-	$(PYTHON) benchmarks/bench_model.py
+	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_layernorm.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_dropout.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_model.py $(BENCH_ARGS)
 
 bench-quick: $(STAMP)
-	$(PYTHON) benchmarks/bench_attention.py --quick
-	$(PYTHON) benchmarks/bench_layernorm.py --quick
-	$(PYTHON) benchmarks/bench_dropout.py --quick
-	$(PYTHON) benchmarks/bench_model.py --quick
+	$(PYTHON) benchmarks/bench_attention.py --quick $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_layernorm.py --quick $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_dropout.py --quick $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_model.py --quick $(BENCH_ARGS)
 
 compile-check: $(STAMP)
 	$(PYTHON) -m fasttrans compile-check
