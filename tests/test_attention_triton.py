@@ -383,9 +383,13 @@ def test_fp32_matmul_precision_follows_torch_tf32_flag():
 def test_fp32_compile_targets_cover_every_fp32_configuration():
     """compile-check builds every fp32 entry in the precision its class runs (3xTF32, or IEEE
     for FP32_IEEE_CLASSES) and one single-TF32 build per kernel and arch."""
-    targets = [t for t in K.compile_targets() if "-fp32" in t["config"]]
     stages = {"attention_fwd": ("fwd", K.FWD_CONFIGS_FP32), "attention_bwd_dq": ("dq", K.BWD_DQ_CONFIGS_FP32),
               "attention_bwd_dkdv": ("dkdv", K.BWD_DKDV_CONFIGS_FP32)}
+    every = K.compile_targets()
+    targets = [t for t in every if "-fp32" in t["config"] and t["kernel"] in stages]
+    preprocess = {t["constexprs"]["HEAD_DIM"] for t in every
+                  if t["kernel"] == "attention_bwd_preprocess" and t["signature"]["Out"] == "*fp32"}
+    assert preprocess == set(K.BWD_PREPROCESS_CONFIGS)
     for kernel, (stage, table) in stages.items():
         for arch in ("sm_80", "sm_90"):
             built = [t for t in targets if t["kernel"] == kernel and t["archs"] == [arch]]
