@@ -412,6 +412,49 @@ def test_fp32_compile_targets_cover_every_fp32_configuration():
             assert t.get("wgmma", True) == (rows >= 64), t["config"]
 
 
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the nearest TF32 value (10 explicit mantissa bits; ties away from zero, as cvt.rna)."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _emulated_3xtf32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """big*big + big*small + small*big, each product exact, summed in fp64 and rounded to fp32."""
+    a_big, b_big = _round_to_tf32(a), _round_to_tf32(b)
+    a_small, b_small = _round_to_tf32(a - a_big), _round_to_tf32(b - b_big)
+    return (a_small.double() @ b_big.double() + a_big.double() @ b_small.double()
+            + a_big.double() @ b_big.double()).float()
+
+
+@pytest.mark.parametrize("D", [24, 64, 128, 256])
+def test_3xtf32_attention_error_is_within_the_fp32_tolerance(D):
+    """The premise of running fp32 as 3xTF32: attention computed with every matmul in emulated
+    3xTF32 (the backward's formulas of the kernels) stays within the fp32 bound the GPU tests
+    apply against the fp64 reference, and a single TF32 product does not."""
+    torch.manual_seed(D)
+    B, H, Lq, Lk = 1, 2, 96, 130
+    q, k, v, do = (torch.randn(B, H, L, D) for L in (Lq, Lk, Lk, Lq))
+    mask = torch.where(torch.rand(B, 1, Lq, Lk) < 0.2, float("-inf"), torch.randn(B, 1, Lq, Lk))
+    mask[..., 0] = 0.0
+    scale = D ** -0.5
+
+    def attention(mm, q, k, v, do, mask):
+        p = torch.softmax(mm(q, k.transpose(-1, -2)) * scale + mask, -1)
+        out = mm(p, v)
+        ds = p * (mm(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+        return dict(out=out, dq=mm(ds, k) * scale, dk=mm(ds.transpose(-1, -2), q) * scale,
+                    dv=mm(p.transpose(-1, -2), do))
+
+    ref = attention(torch.matmul, *(t.double() for t in (q, k, v, do, mask)))
+    x3 = attention(_emulated_3xtf32_matmul, q, k, v, do, mask)
+    tf32 = attention(lambda a, b: (_round_to_tf32(a).double() @ _round_to_tf32(b).double()).float(),
+                     q, k, v, do, mask)
+    for name in ref:
+        bound = FLOOR[torch.float32] * max(1.0, ref[name].abs().max().item())
+        assert (x3[name].double() - ref[name]).abs().max().item() <= bound / 10, name
+        assert (tf32[name].double() - ref[name]).abs().max().item() > bound, name
+
+
 class _RecordingTuner(dict):
     """Stands in for an autotuned-kernel table: records the key and constexprs of each launch."""
 
