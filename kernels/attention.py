@@ -66,7 +66,8 @@ registers, so fp32 has launch tables of its own with smaller tiles; the classes 
 3xTF32 tile compiles without register spills (head dim 256; head dim 128 with a dense mask or
 dropout in the dQ kernel, and in sm_80's dK/dV) run IEEE fp32 dots on FMA units instead,
 more exact and slower (FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used
-the 16-bit tiles in IEEE fp32, which spill tens of KB of registers per program.
+the 16-bit tiles in IEEE fp32, for which ptxas reports 2 KB to 150 KB of register spill
+stores and loads per thread.
 """
 
 from __future__ import annotations
