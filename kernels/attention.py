@@ -82,7 +82,7 @@ import triton.language as tl
 
 from fasttrans.reference import dropout_threshold
 
-from . import LAUNCH_OPTIONS
+from . import LAUNCH_OPTIONS, cdiv, next_power_of_2
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
@@ -281,7 +281,7 @@ def _dkdv_outputs(block_d: int) -> tuple[str, ...]:
 
 
 def _bucket(n: int) -> int:
-    return min(triton.next_power_of_2(max(n, 1)), _MAX_BUCKET)
+    return min(next_power_of_2(max(n, 1)), _MAX_BUCKET)
 
 
 # --------------------------------------------------------------------------------------
@@ -944,7 +944,7 @@ def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
     D = q.shape[3]
     _, mask_kind, _ = _mask_operand(attn_mask, q)
     return dict(
-        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), MASK_KIND=mask_kind,
+        HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), MASK_KIND=mask_kind,
         HAS_KEY_LENGTHS=key_lengths is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=dropout_p > 0.0,
         **_dot_options(q.dtype),
     )
@@ -970,7 +970,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
         int(seed), _bucket(Lq), _bucket(Lk),
     )
-    _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+    _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
             args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
     return out, lse
 
@@ -1000,14 +1000,14 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     pre_args = (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2), H, Lq)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+        _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              pre_args, dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
 
     common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
               int(seed), *buckets)
     for output in _dkdv_outputs(feats["BLOCK_D"]):
         _launch(
-            _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
+            _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
             (q, k, v, dout, lse, delta, dk, dv, mask, kl,
              q.stride(0), q.stride(1), q.stride(2),
              k.stride(0), k.stride(1), k.stride(2),
@@ -1019,7 +1019,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
             dict(feats, OUTPUT=output),
         )
     _launch(
-        _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+        _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
         (q, k, v, dout, lse, delta, dq, dmask if mask_grad else q, mask, kl,
          q.stride(0), q.stride(1), q.stride(2),
          k.stride(0), k.stride(1), k.stride(2),
@@ -1041,7 +1041,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
         return keep.view(torch.bool)
     cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _run(_attention_dropout_mask_kernel, cfg, lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), H, B),
+        _run(_attention_dropout_mask_kernel, cfg, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), {})
     return keep.view(torch.bool)
 

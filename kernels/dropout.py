@@ -53,7 +53,7 @@ import triton.language as tl
 
 from fasttrans.reference import FLAT_DOMAIN, dropout_threshold
 
-from . import LAUNCH_OPTIONS
+from . import LAUNCH_OPTIONS, cdiv
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
            "CONFIG"]
@@ -96,7 +96,7 @@ def dropout_scale(p: float) -> float:
 
 def _index_64(numel: int, block: int) -> bool:
     """Whether an offset the grid forms (up to cdiv(numel, block) · block - 1) exceeds int32."""
-    return triton.cdiv(numel, block) * block > _INT32_LIMIT
+    return cdiv(numel, block) * block > _INT32_LIMIT
 
 
 # --------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
     numel = x.numel()
     if numel:
         with _on_device(x):
-            _dropout_fwd_kernel[(triton.cdiv(numel, cfg.BLOCK),)](
+            _dropout_fwd_kernel[(cdiv(numel, cfg.BLOCK),)](
                 x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p),
                 BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(x.dtype),
                 num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
@@ -240,7 +240,7 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
     numel = dy.numel()
     if numel:
         with _on_device(dy):
-            _dropout_bwd_kernel[(triton.cdiv(numel, cfg.BLOCK),)](
+            _dropout_bwd_kernel[(cdiv(numel, cfg.BLOCK),)](
                 dy, keep, dx, numel, dropout_scale(p),
                 BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(dy.dtype),
                 num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS
+from . import LAUNCH_OPTIONS, cdiv, next_power_of_2
 
 __all__ = ["norm_fwd", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
@@ -108,7 +108,7 @@ class NormConfig:
 # a 16384-wide forward row spills with 32 warps (capped at 64 registers) and fits 16 warps
 # in 128; the backward holds more per element, so it uses twice the forward's warps.
 def _fused_config(N: int, backward: bool) -> NormConfig:
-    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(N))
+    block_n = max(MIN_BLOCK_N, next_power_of_2(N))
     block_m = max(1, TILE_ELEMENTS // block_n)
     tile = block_m * block_n
     if backward:
@@ -118,6 +118,7 @@ def _fused_config(N: int, backward: bool) -> NormConfig:
     return NormConfig(block_m, block_n, num_warps, split=False)
 
 
+@functools.lru_cache(maxsize=None)  # called per launch; a pure function of N
 def fwd_config(N: int) -> NormConfig:
     """Forward configuration for rows of N elements."""
     if N > MAX_FUSED_N:
@@ -125,6 +126,7 @@ def fwd_config(N: int) -> NormConfig:
     return _fused_config(N, backward=False)
 
 
+@functools.lru_cache(maxsize=None)  # called per launch; a pure function of N
 def bwd_config(N: int) -> NormConfig:
     """Backward (dx and dW/dB partials) configuration for rows of N elements."""
     if N > MAX_FUSED_N_BWD:
@@ -132,6 +134,7 @@ def bwd_config(N: int) -> NormConfig:
     return _fused_config(N, backward=True)
 
 
+@functools.lru_cache(maxsize=None)  # called per launch; a pure function of N
 def reduce_config(N: int) -> NormConfig:
     """Stage-2 dW/dB configuration: a (partials x columns) tile, 32 columns up to N = 8192.
 
@@ -139,7 +142,7 @@ def reduce_config(N: int) -> NormConfig:
     its partials in a few steps; wider rows take wider blocks (about 256 programs), which
     also keeps the interpreter from running thousands of tiny programs.
     """
-    block_n = min(max(32, triton.next_power_of_2(N) // 256), REDUCE_MAX_BLOCK_N)
+    block_n = min(max(32, next_power_of_2(N) // 256), REDUCE_MAX_BLOCK_N)
     return NormConfig(REDUCE_TILE_ELEMENTS // block_n, block_n, 4, split=False)
 
 
@@ -542,7 +545,7 @@ def norm_fwd(x, residual, weight, bias, eps, rms):
     if cfg.split:
         _norm_fwd_split_kernel[(M,)](*args, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
     else:
-        grid = (triton.cdiv(M, cfg.BLOCK_M),)
+        grid = (cdiv(M, cfg.BLOCK_M),)
         _norm_fwd_kernel[grid](*args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
     return y, h, mean, rstd
 
@@ -566,15 +569,15 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     # P programs (times the column chunks when split), each owning a contiguous block of
     # rows_per_program rows and writing one row of the (P, N) dW/dB partials
     if cfg.split:
-        col_blocks = triton.cdiv(N, cfg.BLOCK_N)
+        col_blocks = cdiv(N, cfg.BLOCK_N)
         row_tiles = M
         num_partials = min(M, max(1, _resident_programs(device, cfg.num_warps) // col_blocks))
     else:
         col_blocks = 1
-        row_tiles = triton.cdiv(M, cfg.BLOCK_M)
+        row_tiles = cdiv(M, cfg.BLOCK_M)
         num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
-    rows_per_program = triton.cdiv(row_tiles, num_partials) * cfg.BLOCK_M
-    num_partials = triton.cdiv(M, rows_per_program)  # no program without rows
+    rows_per_program = cdiv(row_tiles, num_partials) * cfg.BLOCK_M
+    num_partials = cdiv(M, rows_per_program)  # no program without rows
 
     fp32 = dict(dtype=torch.float32, device=device)
     dx = torch.empty((M, N), dtype=h.dtype, device=device)
@@ -603,7 +606,7 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
     if w is not None or b is not None:
         red = reduce_config(N)
-        _norm_bwd_reduce_kernel[(triton.cdiv(N, red.BLOCK_N),)](
+        _norm_bwd_reduce_kernel[(cdiv(N, red.BLOCK_N),)](
             _or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd),
             num_partials, N,
             BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
