@@ -531,6 +531,14 @@ def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+# The backward ops have no autograd of their own (a create_graph backward takes the
+# reference's route above), and the backward runs with gradients off: their autograd
+# dispatch key would only redispatch, through a Python layer that costs microseconds a call.
+def _below_autograd():
+    below = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+    return below() if below is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
+
+
 def _register_fake_and_autograd(name: str) -> None:
     """Fake implementations and autograd formulas for one backend's four ops."""
     ns = torch.ops.fasttrans
@@ -598,10 +606,11 @@ def _register_fake_and_autograd(name: str) -> None:
             return (*grads, None, None, None, None, None, None)
         # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
         # expanded (stride 0): only a non-unit innermost stride costs a copy
-        dq, dk, dv, dmask = attention_bwd_op(
-            last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-            dropout_p, scale, seed, ctx.mask_grad,
-        )
+        with _below_autograd():
+            dq, dk, dv, dmask = attention_bwd_op(
+                last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+                dropout_p, scale, seed, ctx.mask_grad,
+            )
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
         return dq, dk, dv, dmask, None, None, None, None, None, None
 
@@ -633,7 +642,8 @@ def _register_fake_and_autograd(name: str) -> None:
         if dy is None:
             dy = torch.zeros_like(h)
         dh = last_dim_unit_stride(dh) if dh is not None else None
-        dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
+        with _below_autograd():
+            dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
         dw = dw if weight is not None else None
         db = db if bias is not None else None
         return dx, (dx if ctx.has_residual else None), dw, db, None, None
@@ -650,7 +660,8 @@ def _register_fake_and_autograd(name: str) -> None:
         (keep,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
             return _ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
-        return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
+        with _below_autograd():
+            return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
 
     register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
 
