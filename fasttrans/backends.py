@@ -532,11 +532,25 @@ def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 # The backward ops have no autograd of their own (a create_graph backward takes the
-# reference's route above), and the backward runs with gradients off: their autograd
-# dispatch key would only redispatch, through a Python layer that costs microseconds a call.
-def _below_autograd():
-    below = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-    return below() if below is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
+# reference's route), and the backward runs with gradients off. For ops defined in Python
+# (torch.library.custom_op: the triton and reference backends) the autograd dispatch key
+# would only redispatch, through a Python layer of about 8 us a call on a 2-core CPU, so
+# eager calls go below it; the C++ ops' autograd fallback is cheaper than the guard.
+_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+
+
+def _below_autograd(op, backend: str):
+    """op, called below the autograd dispatch key in eager mode for Python-defined ops."""
+    if backend == "extension" or _BELOW_AUTOGRAD is None:
+        return op
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        with _BELOW_AUTOGRAD():
+            return op(*args)
+
+    return call
 
 
 def _register_fake_and_autograd(name: str) -> None:
@@ -583,8 +597,8 @@ def _register_fake_and_autograd(name: str) -> None:
     def _(dy, keep, p):
         return torch.empty_like(dy, memory_format=torch.contiguous_format)
 
-    attention_bwd_op = getattr(ns, f"attention_bwd_{name}")
-    norm_bwd_op = getattr(ns, f"norm_bwd_{name}")
+    attention_bwd_op = _below_autograd(getattr(ns, f"attention_bwd_{name}"), name)
+    norm_bwd_op = _below_autograd(getattr(ns, f"norm_bwd_{name}"), name)
 
     def attention_setup(ctx, inputs, output):
         q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
@@ -606,11 +620,10 @@ def _register_fake_and_autograd(name: str) -> None:
             return (*grads, None, None, None, None, None, None)
         # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
         # expanded (stride 0): only a non-unit innermost stride costs a copy
-        with _below_autograd():
-            dq, dk, dv, dmask = attention_bwd_op(
-                last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                dropout_p, scale, seed, ctx.mask_grad,
-            )
+        dq, dk, dv, dmask = attention_bwd_op(
+            last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+            dropout_p, scale, seed, ctx.mask_grad,
+        )
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
         return dq, dk, dv, dmask, None, None, None, None, None, None
 
@@ -642,15 +655,14 @@ def _register_fake_and_autograd(name: str) -> None:
         if dy is None:
             dy = torch.zeros_like(h)
         dh = last_dim_unit_stride(dh) if dh is not None else None
-        with _below_autograd():
-            dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
+        dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
         dw = dw if weight is not None else None
         db = db if bias is not None else None
         return dx, (dx if ctx.has_residual else None), dw, db, None, None
 
     register_autograd(f"fasttrans::norm_fwd_{name}", norm_backward, setup_context=norm_setup)
 
-    dropout_bwd_op = getattr(ns, f"dropout_bwd_{name}")
+    dropout_bwd_op = _below_autograd(getattr(ns, f"dropout_bwd_{name}"), name)
 
     def dropout_setup(ctx, inputs, output):
         ctx.p = inputs[1]
@@ -660,8 +672,7 @@ def _register_fake_and_autograd(name: str) -> None:
         (keep,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
             return _ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
-        with _below_autograd():
-            return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
+        return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
 
     register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
 
