@@ -73,6 +73,7 @@ stores and loads per thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 
@@ -264,7 +265,12 @@ def _precision_class(dtype: torch.dtype) -> str:
 
 
 def _gpu_arch(device: torch.device) -> str:
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_80"
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:  # every launch asks; a device's capability never changes
+    return "sm_90" if torch.cuda.get_device_capability(index)[0] >= 9 else "sm_80"
 
 
 def _head_dim_class(block_d: int) -> int:
