@@ -968,10 +968,10 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
     mask, _, mstride = _mask_operand(attn_mask, q)
     args = (
         q, k, v, out, lse, mask, key_lengths if key_lengths is not None else q,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
         *mstride,
         H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
         int(seed), _bucket(Lq), _bucket(Lk),
@@ -1003,8 +1003,8 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     pre = INTERPRETER_CONFIGS["preprocess"] if _interpreting() else BWD_PREPROCESS_CONFIGS[
         _head_dim_class(feats["BLOCK_D"])]
-    pre_args = (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-                dout.stride(0), dout.stride(1), dout.stride(2), H, Lq)
+    pre_args = (out, dout, delta, *out.stride()[:3],
+                *dout.stride()[:3], H, Lq)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              pre_args, dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
@@ -1015,23 +1015,23 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         _launch(
             _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
             (q, k, v, dout, lse, delta, dk, dv, mask, kl,
-             q.stride(0), q.stride(1), q.stride(2),
-             k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2),
-             dk.stride(0), dk.stride(1), dk.stride(2),
-             dv.stride(0), dv.stride(1), dv.stride(2),
+             *q.stride()[:3],
+             *k.stride()[:3],
+             *v.stride()[:3],
+             *dout.stride()[:3],
+             *dk.stride()[:3],
+             *dv.stride()[:3],
              *mstride, *common),
             dict(feats, OUTPUT=output),
         )
     _launch(
         _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
         (q, k, v, dout, lse, delta, dq, dmask if mask_grad else q, mask, kl,
-         q.stride(0), q.stride(1), q.stride(2),
-         k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2),
-         dout.stride(0), dout.stride(1), dout.stride(2),
-         dq.stride(0), dq.stride(1), dq.stride(2),
+         *q.stride()[:3],
+         *k.stride()[:3],
+         *v.stride()[:3],
+         *dout.stride()[:3],
+         *dq.stride()[:3],
          *mstride, *common),
         dict(feats, MASK_GRAD=bool(mask_grad)),
     )
