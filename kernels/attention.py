@@ -65,7 +65,7 @@ and a single TF32 product is used (errors near 1e-3). The two halves of every op
 registers, so fp32 has launch tables of its own with smaller tiles; the classes where no
 3xTF32 tile compiles without register spills (head dim 256; head dim 128 with a dense mask or
 dropout in the dQ kernel, and in sm_80's dK/dV) run IEEE fp32 dots on FMA units instead,
-more exact and slower (FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used
+more exact and slower, with or without allow_tf32 (FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used
 the 16-bit tiles in IEEE fp32, for which ptxas reports 2 KB to 150 KB of register spill
 stores and loads per thread.
 """
