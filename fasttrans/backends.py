@@ -539,7 +539,7 @@ def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
 _BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 
 
-def _below_autograd(op, backend: str):
+def _skipping_autograd_key(op, backend: str):
     """op, called below the autograd dispatch key in eager mode for Python-defined ops."""
     if backend == "extension" or _BELOW_AUTOGRAD is None:
         return op
@@ -597,8 +597,8 @@ def _register_fake_and_autograd(name: str) -> None:
     def _(dy, keep, p):
         return torch.empty_like(dy, memory_format=torch.contiguous_format)
 
-    attention_bwd_op = _below_autograd(getattr(ns, f"attention_bwd_{name}"), name)
-    norm_bwd_op = _below_autograd(getattr(ns, f"norm_bwd_{name}"), name)
+    attention_bwd_op = _skipping_autograd_key(getattr(ns, f"attention_bwd_{name}"), name)
+    norm_bwd_op = _skipping_autograd_key(getattr(ns, f"norm_bwd_{name}"), name)
 
     def attention_setup(ctx, inputs, output):
         q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
@@ -662,7 +662,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
     register_autograd(f"fasttrans::norm_fwd_{name}", norm_backward, setup_context=norm_setup)
 
-    dropout_bwd_op = _below_autograd(getattr(ns, f"dropout_bwd_{name}"), name)
+    dropout_bwd_op = _skipping_autograd_key(getattr(ns, f"dropout_bwd_{name}"), name)
 
     def dropout_setup(ctx, inputs, output):
         ctx.p = inputs[1]
