@@ -59,15 +59,16 @@ fp32 matmuls run on tensor cores as 3xTF32 (``input_precision="tf32x3"``): each 
 split into a TF32 part and a TF32 remainder, and three TF32 products (big*big, big*small,
 small*big) are summed in fp32. Its error is that of an fp32 matmul (the dropped small*small
 term is about 2^-22 of each product), the scheme torch's memory-efficient SDPA kernel uses
-for fp32 on sm_80 and later (CUTLASS's OpMultiplyAddFastF32). With
-``torch.backends.cuda.matmul.allow_tf32`` set, the user has accepted TF32 for fp32 matmuls,
-and a single TF32 product is used (errors near 1e-3). The two halves of every operand take
-registers, so fp32 has launch tables of its own with smaller tiles; the classes where no
-3xTF32 tile compiles without register spills (head dim 256; head dim 128 with a dense mask or
-dropout in the dQ kernel, and in sm_80's dK/dV) run IEEE fp32 dots on FMA units instead,
-more exact and slower, with or without allow_tf32 (FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used
-the 16-bit tiles in IEEE fp32, for which ptxas reports 2 KB to 150 KB of register spill
-stores and loads per thread.
+for fp32 on sm_80 and later (CUTLASS's OpMultiplyAddFastF32). When torch's CUDA matmuls may
+use TF32 (``allow_tf32``, ``fp32_precision = "tf32"``, ``set_float32_matmul_precision``),
+the user has accepted TF32 for fp32 matmuls, and a single TF32 product is used (errors near
+1e-3). The two halves of every operand take registers, so fp32 has launch tables of its own
+with smaller tiles; the classes where no 3xTF32 tile compiles without register spills (head
+dim 256; head dim 128 with a dense mask or dropout in the dQ kernel, and in sm_80's dK/dV)
+run IEEE fp32 dots on FMA units instead, more exact and slower, whatever the TF32 setting
+(FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used the 16-bit tiles in
+IEEE fp32, for which ptxas reports 2 KB to 150 KB of register spill stores and loads per
+thread.
 """
 
 from __future__ import annotations
@@ -922,11 +923,28 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
 
 def input_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for q/k/v of ``dtype`` (see the module docstring): 3xTF32 for
-    fp32, single TF32 once ``torch.backends.cuda.matmul.allow_tf32`` is set; 16-bit operands
-    ignore it. Read at every launch, like torch reads the flag at every matmul."""
+    fp32, single TF32 once torch's CUDA matmuls may use TF32 for fp32; 16-bit operands ignore
+    it. Read at every launch, like torch reads its setting at every matmul."""
     if dtype != torch.float32:
         return "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    return "tf32" if _tf32_allowed() else "tf32x3"
+
+
+def _tf32_allowed() -> bool:
+    """Whether torch's CUDA matmuls may run fp32 as TF32, by whichever API the user set it.
+
+    torch >= 2.9 has ``torch.backends.cuda.matmul.fp32_precision`` ("tf32", "ieee", or "none":
+    inherit ``torch.backends.fp32_precision``), which also reflects the legacy ``allow_tf32`` and
+    ``torch.set_float32_matmul_precision``; reading the legacy flag after the new API was
+    used raises a RuntimeError there, so it is read only on an older torch.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _dot_options(dtype: torch.dtype) -> dict:

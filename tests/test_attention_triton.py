@@ -13,6 +13,8 @@ same-precision baseline ``reference.attention(..., upcast=False)`` on the low-pr
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -378,6 +380,38 @@ def test_fp32_matmul_precision_follows_torch_tf32_flag():
         assert K.input_precision(torch.float32) == "tf32"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = flag
+
+
+_NEW_TF32_API = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, fasttrans
+from fasttrans.kernels import attention as K
+q = torch.randn(1, 2, 5, 8)
+{setting}
+with fasttrans.use_backend("triton"):
+    out = fasttrans.attention(q, q, q)  # reads the setting at launch
+print(K.input_precision(torch.float32), bool(torch.isfinite(out).all()))
+"""
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", "tf32"),
+    ("torch.backends.fp32_precision = 'tf32'", "tf32"),
+    ("torch.backends.fp32_precision = 'tf32'; torch.backends.cuda.matmul.fp32_precision = 'ieee'", "tf32x3"),
+    ("torch.set_float32_matmul_precision('high')", "tf32"),
+    ("", "tf32x3"),
+])
+def test_fp32_precision_follows_torch_new_tf32_api(setting, expected):
+    """torch's newer fp32_precision settings are honoured, and setting them does not break fp32
+    attention: after them, reading the legacy allow_tf32 flag raises in torch >= 2.9. Each case
+    runs in its own process, since these settings are process-wide and cannot all be undone."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision setting")
+    code = _NEW_TF32_API.format(setting=setting)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == [expected, "True"]
 
 
 def test_fp32_compile_targets_cover_every_fp32_configuration():
