@@ -378,6 +378,37 @@ def test_profile_call_splits_the_host_time_of_each_provider(capsys):
     assert "  fasttrans\n" not in sections["torch"]
 
 
+def test_profile_call_stub_kernels_times_the_triton_host_path_and_restores_the_kernels(capsys):
+    """--stub-kernels: the Triton provider runs (its kernels replaced by no-op launches, which
+    evaluate the grid) on CPU, and the kernels are the real ones again afterwards."""
+    import fasttrans
+    import fasttrans.kernels.attention as attention_kernels
+    import fasttrans.kernels.layernorm as norm_kernels
+    from benchmarks import profile_call
+
+    real = norm_kernels._norm_fwd_kernel, attention_kernels._attention_fwd_kernel
+    for op, shape in (("layer_norm", "2,64"), ("attention", "1,2,5,16"), ("dropout", "3,40")):
+        assert profile_call.main(["--op", op, "--shape", shape, "--mode", "fwd+bwd", "--calls", "5", "--device", "cpu",
+                                  "--stub-kernels", "--provider", "fasttrans-triton"]) == 0
+        out = capsys.readouterr().out
+        assert "Triton kernels stubbed" in out and "unavailable" not in out, out
+        assert float(out.split("wall")[1].split()[0]) > 0
+        assert "fasttrans.kernels" in out  # the launchers' own code ran
+    assert (norm_kernels._norm_fwd_kernel, attention_kernels._attention_fwd_kernel) == real
+    x = torch.randn(2, 8)
+    with fasttrans.use_backend("triton"):  # the real kernels again, through the interpreter
+        y = fasttrans.layer_norm(x, (8,))
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)), rtol=1e-5, atol=1e-5)
+
+
+def test_profile_call_stub_kernels_needs_the_interpreter_and_a_cpu(monkeypatch):
+    from benchmarks import profile_call
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit, match="set TRITON_INTERPRET=1"):
+        profile_call.main(["--stub-kernels", "--device", "cpu", "--calls", "1", "--provider", "torch"])
+
+
 def test_profile_call_places_code_by_package():
     import triton
 
