@@ -347,6 +347,19 @@ def test_interpreter_tiles_are_small_and_unequal():
     assert max(fwd.values()) < 97 and max(dkdv.values()) < 97
 
 
+def test_host_integer_helpers_match_triton():
+    """The launchers' cdiv / next_power_of_2 (plain Python, cheap on the host) are Triton's."""
+    import triton
+
+    from fasttrans.kernels import cdiv, next_power_of_2
+
+    for a in range(0, 600):
+        for b in (1, 2, 3, 16, 17, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in list(range(0, 5000)) + [2**16 - 1, 2**16, 2**16 + 1, 2**31 - 1, 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+
+
 def test_gpu_configurations_cover_every_class():
     """Every (precision, architecture, head-dim class, weight) has a handful of configurations;
     16-bit ones on sm_90 use wgmma, which needs the matmul M dimension (query tile; key tile in
