@@ -1147,46 +1147,31 @@ def compile_targets() -> list[dict]:
     """Every kernel in every shipped GPU configuration, for ``python -m fasttrans compile-check``."""
     targets = []
     for arch in ("sm_80", "sm_90"):
-        for (dclass, weight), cfgs in FWD_CONFIGS[arch].items():
-            targets += [_compile_target(_attention_fwd_kernel, "attention_fwd", c, dclass, weight, archs=[arch])
-                        for c in cfgs]
-        for (dclass, weight), cfgs in BWD_DKDV_CONFIGS[arch].items():
-            targets += [_compile_target(_attention_bwd_dkdv_kernel, "attention_bwd_dkdv", c, dclass, weight,
-                                        archs=[arch], OUTPUT=out) for c in cfgs for out in _dkdv_outputs(dclass)]
-        for (dclass, weight), cfgs in BWD_DQ_CONFIGS[arch].items():
-            targets += [_compile_target(_attention_bwd_dq_kernel, "attention_bwd_dq", c, dclass, weight, archs=[arch])
-                        for c in cfgs]
-        # fp32: every entry of its own tables, in the precision its class runs
-        for stage, kernel, name, table in (
-            ("fwd", _attention_fwd_kernel, "attention_fwd", FWD_CONFIGS_FP32),
-            ("dkdv", _attention_bwd_dkdv_kernel, "attention_bwd_dkdv", BWD_DKDV_CONFIGS_FP32),
-            ("dq", _attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS_FP32),
+        for stage, kernel, name, table, table_fp32 in (
+            ("fwd", _attention_fwd_kernel, "attention_fwd", FWD_CONFIGS, FWD_CONFIGS_FP32),
+            ("dkdv", _attention_bwd_dkdv_kernel, "attention_bwd_dkdv", BWD_DKDV_CONFIGS, BWD_DKDV_CONFIGS_FP32),
+            ("dq", _attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32),
         ):
+            def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None):
+                outputs = outputs or (_dkdv_outputs(dclass) if stage == "dkdv" else (None,))
+                return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
+                                        archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
+                        for c in cfgs for out in outputs]
+
+            for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
+                targets += builds(cfgs, dclass, weight)
+            # bf16 lowers through the same tensor-core paths; one build per kernel proves it
+            targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
+            # fp32: every entry of its own tables, in the precision its class runs
             ieee = FP32_IEEE_CLASSES[stage][arch]
-            outputs = _dkdv_outputs if stage == "dkdv" else (lambda dclass: (None,))
-            for (dclass, weight), cfgs in table[arch].items():
-                precision = "ieee" if (dclass, weight) in ieee else "tf32x3"
-                targets += [
-                    _compile_target(kernel, name, c, dclass, weight, torch.float32, matmul=precision != "ieee",
-                                    archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
-                    for c in cfgs for out in outputs(dclass)
-                ]
+            for (dclass, weight), cfgs in table_fp32[arch].items():
+                targets += builds(cfgs, dclass, weight, torch.float32, "ieee" if (dclass, weight) in ieee else "tf32x3")
             # single TF32 (allow_tf32) holds half the operand registers of 3xTF32 in the same
             # tiles; one build in the largest 3xTF32 class proves it lowers to tensor cores
-            dclass, weight = max((k for k in table[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))
-            targets.append(_compile_target(kernel, name, table[arch][(dclass, weight)][0], dclass, weight,
-                                           torch.float32, archs=[arch], precision="tf32",
-                                           **({"OUTPUT": _dkdv_outputs(dclass)[0]} if stage == "dkdv" else {})))
-        # bf16 lowers through the same tensor-core paths; one build per matmul kernel proves it
-        targets += [
-            _compile_target(_attention_fwd_kernel, "attention_fwd", FWD_CONFIGS[arch][(128, "light")][0], 128,
-                            "light", torch.bfloat16, archs=[arch]),
-            _compile_target(_attention_bwd_dkdv_kernel, "attention_bwd_dkdv",
-                            BWD_DKDV_CONFIGS[arch][(128, "light")][0], 128, "light", torch.bfloat16, archs=[arch],
-                            OUTPUT="dkdv"),
-            _compile_target(_attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS[arch][(128, "light")][0],
-                            128, "light", torch.bfloat16, archs=[arch]),
-        ]
+            dclass, weight = max((k for k in table_fp32[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))
+            first_output = (_dkdv_outputs(dclass)[0],) if stage == "dkdv" else None
+            targets += builds(table_fp32[arch][(dclass, weight)][:1], dclass, weight, torch.float32, "tf32",
+                              first_output)
     for dclass, c in BWD_PREPROCESS_CONFIGS.items():
         targets += [_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
                                     dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
