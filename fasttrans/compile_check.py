@@ -201,11 +201,12 @@ def _build(module: str, t: dict, arch: str) -> dict:
     row["registers"], row["spills"], log = _ptxas_resources(ptx, cap)
     mma_sync_ok = cap >= 90 and not t.get("wgmma", True)
     dots, lowered = _tensor_core_dots(kernel.asm["ttgir"], cap, mma_sync_ok)
-    instruction = "wgmma.mma_async" if cap >= 90 else "mma.sync"
+    instructions = ("wgmma.mma_async",) if cap >= 90 else ("mma.sync",)
     if mma_sync_ok:
-        instruction = "wgmma.mma_async" if instruction in ptx else "mma.sync"
+        instructions += ("mma.sync",)
+    instruction = " or ".join(instructions)
     if dots:
-        row["tensor_cores"] = lowered == dots and instruction in ptx
+        row["tensor_cores"] = lowered == dots and any(i in ptx for i in instructions)
     elif t["matmul"]:
         row["tensor_cores"] = False
     problems = []
