@@ -531,23 +531,27 @@ def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+# The guard that sends an op call past the autograd dispatch key (to the device kernel), as
+# an op's own autograd kernel does once it has recorded the graph; None on a torch without it.
+BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+
+
 # The backward ops have no autograd of their own (a create_graph backward takes the
 # reference's route), and the backward runs with gradients off. For ops defined in Python
 # (torch.library.custom_op: the triton and reference backends) the autograd dispatch key
 # would only redispatch, through a Python layer of about 8 us a call on a 2-core CPU, so
 # eager calls go below it; the C++ ops' autograd fallback is cheaper than the guard.
-_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 
 
 def _skipping_autograd_key(op, backend: str):
     """op, called below the autograd dispatch key in eager mode for Python-defined ops."""
-    if backend == "extension" or _BELOW_AUTOGRAD is None:
+    if backend == "extension" or BELOW_AUTOGRAD is None:
         return op
 
     def call(*args):
         if torch.compiler.is_compiling():
             return op(*args)
-        with _BELOW_AUTOGRAD():
+        with BELOW_AUTOGRAD():
             return op(*args)
 
     return call
@@ -731,7 +735,7 @@ _eager_autograd: dict = {}
 
 def _eager_function(name: str, op, setup_context, backward) -> type[torch.autograd.Function]:
     def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
+        with BELOW_AUTOGRAD():
             output = op(*inputs)
         setup_context(ctx, inputs, output)
         return output

@@ -86,7 +86,7 @@ def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) ->
 # without a gradient they go below it, to the device kernel, as it would itself; with one,
 # they apply an autograd.Function holding the same formulas (backends.eager_autograd).
 # Inside torch.compile and torch.func transforms the ops are called as registered.
-_below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+_below_autograd = backends.BELOW_AUTOGRAD
 _functorch = torch._C._functorch
 
 
