@@ -228,6 +228,10 @@ inline T row_shift(const T* h, int64_t n) {
 // var: one bit; ~1e-4 of Gaussian rows at W = 16) the moments are taken again about the
 // rounded mean shift + d, which lies within a rounding of the true mean: rows whose first
 // elements are outliers, or far out in a heavy tail, or whose mean the first vector misses.
+// The same happens when the sums overflow although the variance would not (|h - shift| near
+// sqrt of the dtype's largest value: s2 = inf and s1 * d = inf give NaN): about the mean the
+// squares are as small as they can be, so the moments stay finite wherever a two-pass
+// variance does, and a variance that truly overflows gives rstd = 0, as torch's does.
 constexpr int kMaxShift2 = 1;
 
 template <typename T>
@@ -241,7 +245,7 @@ RowStats<T> row_stats(Moments<T> m, T shift, int64_t n, Recompute&& moments_abou
   T d = m.s1 / nn;
   T var = (m.s2 - m.s1 * d) / nn;
   // twice at most: the second estimate of the mean is already within rounding of the mean
-  for (int it = 0; it < 2 && d * d > T(kMaxShift2) * var; ++it) {
+  for (int it = 0; it < 2 && (d * d > T(kMaxShift2) * var || !std::isfinite(var)); ++it) {
     shift = shift + d;
     m = moments_about(shift);
     d = m.s1 / nn;

@@ -242,6 +242,43 @@ def test_rows_far_from_their_first_elements(ext, kind, family, N):
         assert_close_lowp(f"y[{i}]", y[i], ref[i], None, dtype=torch.float32)
 
 
+def _near_overflow_rows(N):
+    """fp32 rows whose squared deviations from the first element sum past float32's largest
+    value (3.4e38) while N times their variance stays below it: a spike among zeros, and
+    Gaussian rows with N * var = 1.2e38."""
+    g = torch.Generator().manual_seed(N)
+    spike = torch.zeros(3, N)
+    spike[0, 0], spike[1, 0], spike[2, -1] = 1e19, -1.5e19, 1e19
+    return torch.cat([spike, torch.randn(16, N, generator=g) * (1.2e38 / N) ** 0.5])
+
+
+@pytest.mark.parametrize("N", [4, 8, 12, 17, 64, 1024])
+@pytest.mark.parametrize("kind", ["layer_norm", "add_layer_norm"])
+def test_rows_near_the_float32_range(ext, kind, N):
+    """Rows whose one-pass sums about the first element overflow, while the variance of the
+    row does not (torch's fp32 layer_norm normalises them): the statistics are taken again
+    about the mean, and the result (forward and every gradient) matches float64 instead of
+    being NaN."""
+    x = _near_overflow_rows(N)
+    w, b = torch.randn(N), torch.randn(N)
+    y = _check(kind, x, torch.zeros_like(x) if kind == "add_layer_norm" else None, w, b)[0]
+    ref = reference.layer_norm(x.double(), (N,), w.double(), b.double(), 1e-5)
+    for i in range(x.shape[0]):  # each row against its own scale
+        assert_close_lowp(f"y[{i}]", y[i], ref[i], None, dtype=torch.float32)
+
+
+def test_rows_whose_variance_overflows_give_torchs_numbers(ext):
+    """A variance past float32's range gives rstd = 0 and y = bias, as torch's fp32 kernels
+    and the reference compute, never NaN."""
+    x = torch.zeros(2, 12)
+    x[0, 0], x[1, 5] = 1e20, -3e19
+    w, b = torch.randn(12), torch.randn(12)
+    with fasttrans.use_backend("extension"):
+        y = fasttrans.layer_norm(x, (12,), w, b)
+    assert torch.equal(y, torch.nn.functional.layer_norm(x, (12,), w, b))
+    assert torch.equal(y, b.expand(2, 12))
+
+
 def test_rms_norm_default_eps_and_scalar_rows(ext):
     x = torch.randn(5, 1)
     _check("rms_norm", x, None, None, None, eps=torch.finfo(torch.float32).eps)
