@@ -190,8 +190,14 @@ def test_reset_parameters_repeats_construction():
 def test_factory_kwargs_and_repr():
     m = fnn.MultiheadAttention(E, H, kdim=8, vdim=8, device="meta", dtype=torch.float16)
     assert all(p.device.type == "meta" and p.dtype == torch.float16 for p in m.parameters())
-    assert "num_heads=2" in repr(m) and "kdim=8" in repr(m) and "out_proj" in repr(m)
     assert type(m.out_proj) is type(torch.nn.MultiheadAttention(E, H).out_proj)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"kdim": 8, "vdim": 6, "bias": False}, {"add_bias_kv": True, "add_zero_attn": True,
+                                                                             "batch_first": True, "dropout": 0.1}])
+def test_repr_is_torchs(kwargs):
+    """Printed models read the same after swapping the import."""
+    assert repr(fnn.MultiheadAttention(E, H, **kwargs)) == repr(torch.nn.MultiheadAttention(E, H, **kwargs))
 
 
 # --------------------------------------------------------------------------------------

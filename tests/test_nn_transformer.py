@@ -279,6 +279,7 @@ def test_seeded_construction_and_state_dict_match_torch(name):
     f2.load_state_dict(t.state_dict(), strict=True)
     for k, v in f.state_dict().items():
         assert torch.equal(t.state_dict()[k], v) and torch.equal(f2.state_dict()[k], v), k
+    assert repr(f) == repr(t)  # printed models read the same after swapping the import
 
 
 def test_stack_layers_are_independent_deep_copies():

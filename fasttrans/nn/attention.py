@@ -169,16 +169,6 @@ class MultiheadAttention(Module):
             state["_qkv_same_embed_dim"] = True
         super().__setstate__(state)
 
-    def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}"
-        if not self._qkv_same_embed_dim:
-            s += f", kdim={self.kdim}, vdim={self.vdim}"
-        if self.bias_k is not None:
-            s += ", add_bias_kv=True"
-        if self.add_zero_attn:
-            s += ", add_zero_attn=True"
-        return s + f", batch_first={self.batch_first}"
-
     def merge_masks(
         self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
     ) -> tuple[Tensor | None, int | None]:
