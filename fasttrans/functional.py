@@ -152,6 +152,32 @@ def _on_reference_under_transform(op: str, *tensors) -> bool:
     return True
 
 
+_head_dim_warned: set[int] = set()
+
+
+def _on_reference_for_head_dim(D: int) -> bool:
+    """Whether attention with head dim ``D`` runs on the reference: the kernels stop at
+    MAX_HEAD_DIM. Warns once per head dim when the backend was chosen automatically; a forced
+    kernel backend raises."""
+    if D <= MAX_HEAD_DIM:
+        return False
+    forced = backends.current_forced_backend()
+    if forced not in (None, "reference"):
+        raise backends.BackendUnavailableError(
+            f"backend '{forced}' was requested for attention, but its kernels support head dims up to "
+            f"{MAX_HEAD_DIM}, got {D}; the reference backend (fasttrans.use_backend('reference')) runs any head dim"
+        )
+    if forced is None and D not in _head_dim_warned and not _is_compiling():
+        _head_dim_warned.add(D)
+        warnings.warn(
+            f"fasttrans: attention with head dim {D} runs on the reference (pure PyTorch) implementation, which "
+            f"materialises the (Lq, Lk) scores: the fused kernels support head dims up to {MAX_HEAD_DIM}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
+
 def _ops(op: str, device: torch.device, dtype: torch.dtype):
     name = _selected_backend(op, str(device), dtype)
     return name, backends.ops_for(name)
@@ -185,14 +211,8 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
-    if B == 0:
-        raise ShapeError(f"q: expected a non-empty batch, got shape {tuple(q.shape)}")
-    if H == 0:
-        raise ShapeError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    if Lq == 0:
-        raise ShapeError(f"q: expected at least one query position, got shape {tuple(q.shape)}")
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ShapeError(f"q: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if D < 1:
+        raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
@@ -210,7 +230,7 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
             raise ShapeError(f"key_lengths: expected shape ({B},), got {tuple(key_lengths.shape)}")
         if key_lengths.device.type != "cpu":
             _check_device("key_lengths", key_lengths, q.device)
-        if not _is_compiling():
+        if not _is_compiling() and B > 0:
             # one host sync for both bounds (key_lengths may live on the GPU)
             lo, hi = (int(t) for t in torch.stack(torch.aminmax(key_lengths)).tolist())
             if lo < 0 or hi > Lk:
@@ -271,7 +291,10 @@ def attention(
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
-    if _on_reference_under_transform("attention", q, k, v, attn_mask):
+    # empty outputs (no batch, head or query) need no kernel; the reference's PyTorch ops
+    # give them, and their (zero) gradients, for any input shape
+    if (q.numel() == 0 or _on_reference_for_head_dim(q.shape[-1])
+            or _on_reference_under_transform("attention", q, k, v, attn_mask)):
         return backends.reference_impl().attention_fwd(
             q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, _draw_seed(dropout_p)
         )[0]

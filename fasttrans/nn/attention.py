@@ -67,8 +67,8 @@ class MultiheadAttention(Module):
     NaN for such rows, in the weights and in the output, and so does this module.
 
     Differences from torch.nn: NestedTensor inputs are not supported (torch accepts them
-    only on its inference fast path); head dims above the op's limit (256) and empty
-    batches or query sequences raise the op's ValueError/RuntimeError.
+    only on its inference fast path). Head dims above the kernels' limit (256) run on the
+    reference implementation, with a one-time warning.
     """
 
     __constants__ = ["batch_first"]
