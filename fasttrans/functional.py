@@ -256,7 +256,8 @@ def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
         # a view with stride 0 on broadcast dims: never materialised
         attn_mask = attn_mask.expand(B, H, Lq, Lk)
     if key_lengths is not None:
-        key_lengths = key_lengths.to(device=q.device, dtype=torch.int32)
+        # contiguous: an int32 view (a column of a table, an expanded scalar) keeps its strides through .to
+        key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return q, k, v, attn_mask, key_lengths, scale
 

@@ -964,6 +964,13 @@ def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
     return attn_mask, MASK_FLOAT, attn_mask.stride()
 
 
+def _lengths_operand(key_lengths: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels read key_lengths[b] at offset b: contiguous int32 (q as a placeholder when absent)."""
+    if key_lengths is None:
+        return q
+    return key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
+
+
 def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
     D = q.shape[3]
     _, mask_kind, _ = _mask_operand(attn_mask, q)
@@ -985,7 +992,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         return out.zero_(), lse.fill_(float("inf"))
     mask, _, mstride = _mask_operand(attn_mask, q)
     args = (
-        q, k, v, out, lse, mask, key_lengths if key_lengths is not None else q,
+        q, k, v, out, lse, mask, _lengths_operand(key_lengths, q),
         *q.stride()[:3],
         *k.stride()[:3],
         *v.stride()[:3],
@@ -1014,7 +1021,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         return dq.zero_(), dk, dv, dmask
     lse = lse.contiguous()
     mask, _, mstride = _mask_operand(attn_mask, q)
-    kl = key_lengths if key_lengths is not None else q
+    kl = _lengths_operand(key_lengths, q)
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     buckets = (_bucket(Lq), _bucket(Lk))
 

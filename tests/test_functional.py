@@ -158,6 +158,25 @@ def test_attention_backward_takes_strided_gradients(backend):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", backend_params("attention"))
+def test_strided_int32_key_lengths(backend):
+    """int32 key lengths that are views (a column of a table, an expanded scalar) keep their
+    strides through a dtype conversion; every backend must read them as values, not memory."""
+    q, k, v = (t.requires_grad_() for t in _qkv(B=4))
+    table = torch.tensor([[7, 0], [3, 9], [5, 9], [1, 9]], dtype=torch.int32)
+    cases = {"column": (table[:, 0], torch.tensor([7, 3, 5, 1])),
+             "expanded": (torch.tensor([2], dtype=torch.int32).expand(4), torch.tensor([2, 2, 2, 2]))}
+    g = torch.randn(4, 4, 5, 8)
+    with fasttrans.use_backend(backend):
+        for name, (view, dense) in cases.items():
+            assert not view.is_contiguous(), name
+            got, want = (_grads_for(fasttrans.attention(q, k, v, key_lengths=kl), (q, k, v), g) for kl in (view, dense))
+            outs = [fasttrans.attention(q, k, v, key_lengths=kl).detach() for kl in (view, dense)]
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("backend", backend_params("norm"))
 def test_norm_backward_takes_strided_gradients(backend):
     x, r = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8, requires_grad=True)
