@@ -316,10 +316,27 @@ def _triton_check(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return None
-        return "Triton runs on CPU only through its interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "Triton runs on CPU only through its interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        if not _triton_language_interpreted():
+            return ("TRITON_INTERPRET=1 was set after triton was imported, so triton.language was built for the "
+                    "GPU and its functions cannot run in the interpreter; set it before importing triton (and fasttrans)")
+        return None
     return f"Triton does not support device type '{device.type}'"
+
+
+def _triton_language_interpreted() -> bool:
+    """Whether triton.language's own jit functions were made for the interpreter (Triton
+    decides once, when they are defined; the kernels call them)."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    probe = getattr(tl, "zeros", None)
+    if not isinstance(probe, JITFunction):  # a Triton whose builtins are not jit functions
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(probe, InterpretedFunction)
 
 
 def _load_triton():
@@ -387,7 +404,8 @@ def available_backends(device: torch.device | str = "cpu", op: str | None = None
 # --------------------------------------------------------------------------------------
 # Selection
 # --------------------------------------------------------------------------------------
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fasttrans_backend", default=None)
+_FROM_ENV = "<FASTTRANS_BACKEND>"  # no use_backend block: the environment decides
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fasttrans_backend", default=_FROM_ENV)
 _warned: set[tuple[str, str]] = set()
 
 
@@ -395,7 +413,8 @@ _warned: set[tuple[str, str]] = set()
 def use_backend(name: str | None) -> Iterator[None]:
     """Force every fasttrans op inside the block to run on backend ``name``.
 
-    ``None`` restores automatic selection. A forced backend that cannot run an op raises
+    ``None`` selects automatically inside the block, whatever FASTTRANS_BACKEND says. A
+    forced backend that cannot run an op raises
     BackendUnavailableError saying why; it never falls back silently.
     """
     if name is not None:
@@ -410,7 +429,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 def current_forced_backend() -> str | None:
     """The backend forced by use_backend(...) or FASTTRANS_BACKEND, or None for automatic."""
     name = _forced.get()
-    if name is None:
+    if name is _FROM_ENV:
         name = os.environ.get("FASTTRANS_BACKEND") or None
         if name is not None and name not in BACKENDS:
             raise ValueError(f"FASTTRANS_BACKEND={name!r}: expected one of {', '.join(BACKEND_NAMES)}")

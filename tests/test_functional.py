@@ -437,6 +437,18 @@ def test_env_var_forces_a_backend(monkeypatch):
         backends.select_backend("norm", "cpu")
 
 
+def test_use_backend_none_selects_automatically_over_the_env_var(monkeypatch):
+    monkeypatch.setenv("FASTTRANS_BACKEND", "reference")
+    with fasttrans.use_backend(None):
+        assert backends.current_forced_backend() is None
+        assert backends.select_backend("norm", "cpu").name == backends._select_automatic(
+            "norm", torch.device("cpu"), None).name
+        with fasttrans.use_backend("extension"):
+            assert backends.current_forced_backend() == "extension"
+        assert backends.current_forced_backend() is None
+    assert backends.current_forced_backend() == "reference"
+
+
 def test_forced_backend_that_cannot_run_raises_with_reason(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(backends.BACKENDS, "triton", backends.Backend(
@@ -445,6 +457,31 @@ def test_forced_backend_that_cannot_run_raises_with_reason(monkeypatch):
     with fasttrans.use_backend("triton"):
         with pytest.raises(backends.BackendUnavailableError, match="interpreter"):
             fasttrans.attention(q, k, v)
+
+
+_INTERPRET_SET_LATE = """
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton, fasttrans
+os.environ["TRITON_INTERPRET"] = "1"  # too late: triton.language is already built for the GPU
+try:
+    with fasttrans.use_backend("triton"):
+        fasttrans.layer_norm(torch.randn(2, 8), (8,))
+except fasttrans.backends.BackendUnavailableError as e:
+    print("raised:", e)
+"""
+
+
+def test_interpreter_requested_after_importing_triton_is_named():
+    """TRITON_INTERPRET=1 set after triton is imported cannot take effect (triton.language's
+    own jit functions are already compiled-mode): a forced triton backend says so, instead of
+    failing inside the interpreter."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _INTERPRET_SET_LATE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "raised:" in r.stdout and "set after triton was imported" in r.stdout, r.stdout + r.stderr
 
 
 def test_automatic_fallback_warns_once(monkeypatch):
