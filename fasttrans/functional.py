@@ -209,7 +209,7 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if k.shape[3] != D:
         raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
-    if Hkv == 0 or H % Hkv != 0:
+    if (H % Hkv != 0) if Hkv else H != 0:
         raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
     if D < 1:
         raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
@@ -239,10 +239,16 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
         raise TypeError(f"causal_offset: expected an int, got {type(causal_offset).__name__}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ShapeError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) <= 1.0:
+        raise ShapeError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         raise ShapeError(f"scale: expected a finite float or None, got {scale!r}")
+
+
+def _causal_offset(causal_offset: int, q: torch.Tensor, k: torch.Tensor) -> int:
+    """causal_offset clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every
+    key, at -Lq or below none sees any), in the int64 range the ops take."""
+    return max(-q.shape[2], min(causal_offset, k.shape[2]))
 
 
 def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
@@ -284,13 +290,17 @@ def attention(
         key_lengths: (B,) integers; key positions >= key_lengths[b] are masked.
         is_causal: query i attends keys j <= i + causal_offset.
         causal_offset: diagonal offset; Lk - Lq gives bottom-right alignment (decoding).
-        dropout_p: dropout probability on the attention weights.
+        dropout_p: dropout probability on the attention weights (1 drops every weight: zeros).
         scale: score scale; default 1/sqrt(D).
 
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+    if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
+        return attention(q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
+                         causal_offset=causal_offset, scale=scale) * 0.0
+    causal_offset = _causal_offset(causal_offset, q, k)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     # empty outputs (no batch, head or query) need no kernel; the reference's PyTorch ops
     # give them, and their (zero) gradients, for any input shape
@@ -342,6 +352,7 @@ def attention_weights(
     """
     v = k  # only k's shape matters here
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale)
+    causal_offset = _causal_offset(causal_offset, q, k)
     q, k, _, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     return reference.attention_probs(
         q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
@@ -361,7 +372,7 @@ def _normalized_shape(normalized_shape) -> tuple[int, ...]:
     raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
 
 
-def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
+def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_may_be_none=False):
     _check_tensor("x", x)
     _check_float("x", x)
     shape = _normalized_shape(normalized_shape)
@@ -384,7 +395,10 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None):
         if tuple(p.shape) != shape:
             raise ShapeError(f"{name}: expected shape {shape} (normalized_shape), got {tuple(p.shape)}")
         _check_device(name, p, x.device)
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps)):
+    if eps is None:
+        if not eps_may_be_none:
+            raise TypeError("eps: expected a finite non-negative float, got None")
+    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps):
         raise ShapeError(f"eps: expected a finite non-negative float, got {eps!r}")
     return shape
 
@@ -472,7 +486,7 @@ def rms_norm(
     eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
-    shape = _validate_norm(x, normalized_shape, weight, None, eps)
+    shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True)
     if eps is None:
         eps = torch.finfo(reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns

@@ -79,7 +79,7 @@ def _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcas
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # expand k to H heads for grouped-query attention: head h reads kv head h // (H // Hkv)
-    k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, Lk, D)
+    k = k.repeat_interleave(H // max(Hkv, 1), dim=1)  # (B, H, Lk, D); no heads at all: H = Hkv = 0
     acc = _compute_dtype(q, upcast)  # fp32 (fp64 for fp64) unless asked for the low-precision baseline
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -153,7 +153,7 @@ def attention_with_lse(
             raise ValueError("reference.attention: dropout_p > 0 needs an explicit dropout_mask")
         p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
     H, Hkv = q.shape[1], k.shape[1]
-    v = v.repeat_interleave(H // Hkv, dim=1)  # (B, H, Lk, D)
+    v = v.repeat_interleave(H // max(Hkv, 1), dim=1)  # (B, H, Lk, D)
     out = torch.matmul(p, v.to(p.dtype))  # (B, H, Lq, D)
     return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
 

@@ -43,7 +43,8 @@ ATTENTION_ERRORS = [
     ("key_lengths negative", dict(key_lengths=torch.tensor([-1, 2])), ShapeError, "key_lengths"),
     ("is_causal", dict(is_causal=1), TypeError, "is_causal"),
     ("causal_offset", dict(causal_offset=1.5), TypeError, "causal_offset"),
-    ("dropout_p high", dict(dropout_p=1.0), ShapeError, "dropout_p"),
+    ("dropout_p high", dict(dropout_p=1.5), ShapeError, "dropout_p"),
+    ("dropout_p bool", dict(dropout_p=True), ShapeError, "dropout_p"),
     ("dropout_p negative", dict(dropout_p=-0.1), ShapeError, "dropout_p"),
     ("scale", dict(scale=float("nan")), ShapeError, "scale"),
     ("not a tensor", dict(q=[1.0]), TypeError, "q"),
@@ -76,6 +77,8 @@ NORM_ERRORS = [
     (lambda: fasttrans.layer_norm(x0, (6,), torch.ones(5)), ShapeError, "weight"),
     (lambda: fasttrans.layer_norm(x0, (6,), None, torch.ones(4, 6)), ShapeError, "bias"),
     (lambda: fasttrans.layer_norm(x0, (6,), eps=-1.0), ShapeError, "eps"),
+    (lambda: fasttrans.layer_norm(x0, (6,), eps=None), TypeError, "eps"),
+    (lambda: fasttrans.add_layer_norm(x0, x0, eps=None), TypeError, "eps"),
     (lambda: fasttrans.layer_norm(x0, "6"), TypeError, "normalized_shape"),
     (lambda: fasttrans.add_layer_norm(x0, x0[:2]), ShapeError, "residual"),
     (lambda: fasttrans.add_layer_norm(x0, x0.double()), DTypeError, "residual"),
@@ -308,16 +311,35 @@ def _sdpa_case(q, k, v, **kw):
     return results
 
 
-@pytest.mark.parametrize("shape", [(0, 4, 5, 7), (2, 0, 5, 7), (2, 4, 0, 7)], ids=["batch", "heads", "queries"])
+@pytest.mark.parametrize("shape", [(0, 4, 2, 5, 7), (2, 0, 1, 5, 7), (2, 0, 0, 5, 7), (2, 4, 2, 0, 7)],
+                         ids=["batch", "heads", "no-heads-at-all", "queries"])
 def test_empty_attention_is_empty_as_in_torch(shape):
     """No batch, no head or no query: empty outputs and gradients of the inputs' shapes, as
     torch's SDPA gives (the output keeps its autograd graph)."""
-    B, H, Lq, Lk = shape
-    q, k, v = _qkv(B=B, H=H, Hkv=max(H // 2, 1), Lq=Lq, Lk=Lk)
+    B, H, Hkv, Lq, Lk = shape
+    q, k, v = _qkv(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk)
     got, expected = _sdpa_case(q, k, v)
     for a, b in zip(got, expected):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b)
+
+
+def test_dropout_p_one_gives_zeros_as_in_torch():
+    q, k, v = _qkv(Hkv=4)
+    got, expected = _sdpa_case(q, k, v, dropout_p=1.0)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, torch.zeros_like(a)) and torch.equal(b, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**80, -(2**63), 10**6, 7, 6, -5, -6])
+def test_causal_offsets_past_the_sequences(offset):
+    """Offsets beyond the sequences (even past int64) mean every key or no key: the same
+    masks as the clamped offset, which is what the ops receive."""
+    q, k, v = _qkv(Lq=5, Lk=7)
+    allowed = torch.tensor([[j <= i + offset for j in range(7)] for i in range(5)])
+    out = fasttrans.attention(q, k, v, is_causal=True, causal_offset=offset)
+    expected = fasttrans.attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(out, expected)
 
 
 def test_head_dims_past_the_kernels_run_on_the_reference(monkeypatch):

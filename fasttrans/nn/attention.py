@@ -278,14 +278,10 @@ class MultiheadAttention(Module):
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S')
         else:
-            # dropout = 1 (accepted by torch) drops every weight: the attention output is
-            # 0 * out, which keeps the graph (zero gradients) as torch's dropout does
             out = FT.attention(
                 q, k, v, attn_mask=masks.attn_mask, key_lengths=masks.key_lengths,
-                is_causal=masks.is_causal, dropout_p=dropout_p if dropout_p < 1.0 else 0.0,
+                is_causal=masks.is_causal, dropout_p=dropout_p,
             )  # (N, H, L, D)
-            if dropout_p >= 1.0:
-                out = out * 0.0
 
         # (N, H, L, D) -> rows of E features in the caller's layout, then the output projection
         out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)  # (L, N, H, D) | (N, L, H, D)
