@@ -260,7 +260,7 @@ RowStats<T> row_stats(Moments<T> m, T shift, int64_t n, Recompute&& moments_abou
 template <bool kCentre, typename T>
 inline void normalize_row(const T* hr, const T* w, const T* b, T* out, bool stream, int64_t n, T shift, T d, T rs) {
   constexpr int64_t W = Vec<T>::size();
-  const Vec<T> vshift(shift), vrs(rs), vc(-(d * rs));
+  const Vec<T> vshift(shift), vrs(rs), vc(d == T(0) ? T(0) : -(d * rs));  // 0, not 0 * inf, for rstd = inf
   auto xhat = [&](const Vec<T>& h) {
     if constexpr (kCentre) {
       return at::vec::fmadd(h - vshift, vrs, vc);
@@ -286,7 +286,7 @@ inline void normalize_row(const T* hr, const T* w, const T* b, T* out, bool stre
     for (; k + W <= n; k += W) emit(k, xhat(Vec<T>::loadu(hr + k)));
   }
   for (; k < n; ++k) {  // never reached when streaming (n is a multiple of W)
-    T v = kCentre ? std::fma(hr[k] - shift, rs, -(d * rs)) : hr[k] * rs;
+    T v = kCentre ? std::fma(hr[k] - shift, rs, d == T(0) ? T(0) : -(d * rs)) : hr[k] * rs;
     if (w) v *= w[k];
     if (b) v += b[k];
     out[k] = v;
@@ -389,6 +389,10 @@ void norm_fwd_rows(const at::Tensor& x, const at::Tensor& residual, const at::Te
       }
       const T rs = T(1) / std::sqrt(var + teps);
       rstd_data[i] = rs;
+      if (kCentre && !std::isfinite(rs)) {  // eps = 0 and a variance of 0: y = (h - mean) * inf, as torch
+        shift = shift + d;
+        d = T(0);
+      }
 
       if constexpr (kSame) {
         if (direct) {

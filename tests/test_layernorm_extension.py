@@ -268,8 +268,8 @@ def test_rows_near_the_float32_range(ext, kind, N):
 
 
 def test_rows_whose_variance_overflows_give_torchs_numbers(ext):
-    """A variance past float32's range gives rstd = 0 and y = bias, as torch's fp32 kernels
-    and the reference compute, never NaN."""
+    """A variance past float32's range gives rstd = 0 and y = bias, as the reference computes
+    and torch's fp32 layer_norm does for these rows, never NaN."""
     x = torch.zeros(2, 12)
     x[0, 0], x[1, 5] = 1e20, -3e19
     w, b = torch.randn(12), torch.randn(12)
@@ -277,6 +277,17 @@ def test_rows_whose_variance_overflows_give_torchs_numbers(ext):
         y = fasttrans.layer_norm(x, (12,), w, b)
     assert torch.equal(y, torch.nn.functional.layer_norm(x, (12,), w, b))
     assert torch.equal(y, b.expand(2, 12))
+
+
+def test_zero_eps_and_a_variance_that_underflows_give_torchs_infinities(ext):
+    """eps = 0 with rows whose fp32 variance underflows to 0: rstd = inf and y = (h - mean) *
+    inf, +-inf as torch and the reference give (not NaN from the kernel's 0 * inf)."""
+    x = torch.randn(4, 24, generator=torch.Generator().manual_seed(3)) * 1e-30
+    with fasttrans.use_backend("extension"):
+        y = fasttrans.layer_norm(x, (24,), eps=0.0)
+    expected = torch.nn.functional.layer_norm(x, (24,), eps=0.0)
+    assert torch.isinf(expected).all()
+    assert torch.equal(y, expected)
 
 
 def test_rms_norm_default_eps_and_scalar_rows(ext):
