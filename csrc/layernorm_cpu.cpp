@@ -150,23 +150,50 @@ inline void accumulate(const Vec<T>& v, const Vec<T>& vs, Vec<T>& a1, Vec<T>& a2
   }
 }
 
+// Long rows are summed in two levels: the lane accumulators take kSumChunk elements (a few
+// hundred terms a lane) and are then added into per-lane chunk totals and restarted, so
+// a lane's rounding error grows with kSumChunk / lanes + N / kSumChunk terms instead of N /
+// lanes (rows of 2^22 had 50x torch's error with one level).
+constexpr int64_t kSumChunk = 8192;
+
+// Adds the accumulators a[0..n) into total and zeroes them.
+template <typename T, size_t n>
+inline void flush(Vec<T>& total, Vec<T> (&a)[n]) {
+  Vec<T> s = a[0];
+  a[0] = Vec<T>(T(0));
+  for (size_t i = 1; i < n; ++i) {
+    s = s + a[i];
+    a[i] = Vec<T>(T(0));
+  }
+  total = total + s;
+}
+
 template <bool kCentre, typename T>
 Moments<T> row_moments(const T* x, int64_t n, T shift) {
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> vs(shift);
-  Vec<T> p0(T(0)), p1(T(0)), p2(T(0)), p3(T(0)), q0(T(0)), q1(T(0)), q2(T(0)), q3(T(0));
+  Vec<T> p[4] = {Vec<T>(T(0)), Vec<T>(T(0)), Vec<T>(T(0)), Vec<T>(T(0))};
+  Vec<T> q[4] = {Vec<T>(T(0)), Vec<T>(T(0)), Vec<T>(T(0)), Vec<T>(T(0))};
+  Vec<T> tp(T(0)), tq(T(0));
   int64_t k = 0;
-  for (; k + 4 * W <= n; k += 4 * W) {
-    accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p0, q0);
-    accumulate<kCentre>(Vec<T>::loadu(x + k + W), vs, p1, q1);
-    accumulate<kCentre>(Vec<T>::loadu(x + k + 2 * W), vs, p2, q2);
-    accumulate<kCentre>(Vec<T>::loadu(x + k + 3 * W), vs, p3, q3);
+  while (k + 4 * W <= n) {
+    const int64_t stop = std::min(n, k + kSumChunk);
+    for (; k + 4 * W <= stop; k += 4 * W) {
+      accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p[0], q[0]);
+      accumulate<kCentre>(Vec<T>::loadu(x + k + W), vs, p[1], q[1]);
+      accumulate<kCentre>(Vec<T>::loadu(x + k + 2 * W), vs, p[2], q[2]);
+      accumulate<kCentre>(Vec<T>::loadu(x + k + 3 * W), vs, p[3], q[3]);
+    }
+    flush(tp, p);
+    flush(tq, q);
   }
-  for (; k + W <= n; k += W) accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p1, q1);
+  for (; k + W <= n; k += W) accumulate<kCentre>(Vec<T>::loadu(x + k), vs, p[1], q[1]);
   // the tail goes into the lane sums too (added one by one to the total, each term would be
   // rounded to the total's ulp); the lanes past n are zeroed (h - shift = -shift there)
-  if (k < n) accumulate<kCentre>(Vec<T>::loadu(x + k, n - k), vs, p2, q2, n - k);
-  return {kCentre ? lane_sum((p0 + p1) + (p2 + p3)) : T(0), lane_sum((q0 + q1) + (q2 + q3))};
+  if (k < n) accumulate<kCentre>(Vec<T>::loadu(x + k, n - k), vs, p[2], q[2], n - k);
+  flush(tp, p);
+  flush(tq, q);
+  return {kCentre ? lane_sum(tp) : T(0), lane_sum(tq)};
 }
 
 // add_layer_norm's first pass: h = x + r into hbuf (and streamed to hout when given), with
@@ -175,32 +202,40 @@ template <bool kCentre, typename T>
 Moments<T> add_row_moments(const T* x, const T* r, T* hbuf, T* hout, int64_t n, T shift) {
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> vs(shift);
-  Vec<T> p0(T(0)), p1(T(0)), q0(T(0)), q1(T(0));
+  Vec<T> p[2] = {Vec<T>(T(0)), Vec<T>(T(0))}, q[2] = {Vec<T>(T(0)), Vec<T>(T(0))};
+  Vec<T> tp(T(0)), tq(T(0));
   int64_t k = 0;
-  for (; k + 2 * W <= n; k += 2 * W) {
-    const Vec<T> v0 = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
-    const Vec<T> v1 = Vec<T>::loadu(x + k + W) + Vec<T>::loadu(r + k + W);
-    v0.store(hbuf + k);
-    v1.store(hbuf + k + W);
-    if (hout) {
-      stream_vec(hout + k, v0);
-      stream_vec(hout + k + W, v1);
+  while (k + 2 * W <= n) {  // two levels, as row_moments
+    const int64_t stop = std::min(n, k + kSumChunk);
+    for (; k + 2 * W <= stop; k += 2 * W) {
+      const Vec<T> v0 = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
+      const Vec<T> v1 = Vec<T>::loadu(x + k + W) + Vec<T>::loadu(r + k + W);
+      v0.store(hbuf + k);
+      v1.store(hbuf + k + W);
+      if (hout) {
+        stream_vec(hout + k, v0);
+        stream_vec(hout + k + W, v1);
+      }
+      accumulate<kCentre>(v0, vs, p[0], q[0]);
+      accumulate<kCentre>(v1, vs, p[1], q[1]);
     }
-    accumulate<kCentre>(v0, vs, p0, q0);
-    accumulate<kCentre>(v1, vs, p1, q1);
+    flush(tp, p);
+    flush(tq, q);
   }
   for (; k + W <= n; k += W) {
     const Vec<T> v = Vec<T>::loadu(x + k) + Vec<T>::loadu(r + k);
     v.store(hbuf + k);
     if (hout) stream_vec(hout + k, v);
-    accumulate<kCentre>(v, vs, p0, q0);
+    accumulate<kCentre>(v, vs, p[0], q[0]);
   }
   if (k < n) {  // never when streaming (rows are a multiple of W)
     const Vec<T> v = Vec<T>::loadu(x + k, n - k) + Vec<T>::loadu(r + k, n - k);
     v.store(hbuf + k, n - k);
-    accumulate<kCentre>(v, vs, p1, q1, n - k);
+    accumulate<kCentre>(v, vs, p[1], q[1], n - k);
   }
-  return {kCentre ? lane_sum(p0 + p1) : T(0), lane_sum(q0 + q1)};
+  flush(tp, p);
+  flush(tq, q);
+  return {kCentre ? lane_sum(tp) : T(0), lane_sum(tq)};
 }
 
 // The point the moments are taken about: the mean of the row's first vector, computed as
@@ -497,24 +532,32 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
           rs[r] = rstd_data[i];
           // sums of g, of d = h - mean and of g * d; rstd scales the last two once at the end
           const Vec<T> vmu(mu[r]);
-          Vec<T> sg0(T(0)), sg1(T(0)), sgd0(T(0)), sgd1(T(0)), sd0(T(0)), sd1(T(0));
+          Vec<T> sg[2] = {Vec<T>(T(0)), Vec<T>(T(0))}, sd[2] = {Vec<T>(T(0)), Vec<T>(T(0))};
+          Vec<T> sgd[2] = {Vec<T>(T(0)), Vec<T>(T(0))};
+          Vec<T> tg(T(0)), td(T(0)), tgd(T(0));
           int64_t k = 0;
-          for (; k + 2 * W <= N; k += 2 * W) {
-            Vec<T> g0 = Vec<T>::loadu(dyr[r] + k), g1 = Vec<T>::loadu(dyr[r] + k + W);
-            if (w_data) {
-              g0 = g0 * Vec<T>::loadu(w_data + k);
-              g1 = g1 * Vec<T>::loadu(w_data + k + W);
+          while (k + 2 * W <= N) {  // two levels, as row_moments
+            const int64_t stop = std::min(N, k + kSumChunk);
+            for (; k + 2 * W <= stop; k += 2 * W) {
+              Vec<T> g0 = Vec<T>::loadu(dyr[r] + k), g1 = Vec<T>::loadu(dyr[r] + k + W);
+              if (w_data) {
+                g0 = g0 * Vec<T>::loadu(w_data + k);
+                g1 = g1 * Vec<T>::loadu(w_data + k + W);
+              }
+              const Vec<T> d0 = Vec<T>::loadu(hr[r] + k) - vmu;
+              const Vec<T> d1 = Vec<T>::loadu(hr[r] + k + W) - vmu;
+              sg[0] = sg[0] + g0;
+              sg[1] = sg[1] + g1;
+              sd[0] = sd[0] + d0;
+              sd[1] = sd[1] + d1;
+              sgd[0] = at::vec::fmadd(g0, d0, sgd[0]);
+              sgd[1] = at::vec::fmadd(g1, d1, sgd[1]);
             }
-            const Vec<T> d0 = Vec<T>::loadu(hr[r] + k) - vmu;
-            const Vec<T> d1 = Vec<T>::loadu(hr[r] + k + W) - vmu;
-            sg0 = sg0 + g0;
-            sg1 = sg1 + g1;
-            sd0 = sd0 + d0;
-            sd1 = sd1 + d1;
-            sgd0 = at::vec::fmadd(g0, d0, sgd0);
-            sgd1 = at::vec::fmadd(g1, d1, sgd1);
+            flush(tg, sg);
+            flush(td, sd);
+            flush(tgd, sgd);
           }
-          T sum_g = lane_sum(sg0 + sg1), sum_gd = lane_sum(sgd0 + sgd1), sum_d = lane_sum(sd0 + sd1);
+          T sum_g = lane_sum(tg), sum_gd = lane_sum(tgd), sum_d = lane_sum(td);
           for (; k < N; ++k) {
             const T g = w_data ? dyr[r][k] * w_data[k] : dyr[r][k];
             const T d = hr[r][k] - mu[r];
