@@ -283,8 +283,8 @@ def test_rows_whose_variance_overflows_give_torchs_numbers(ext):
 def test_very_wide_rows_are_as_accurate_as_torch(ext, kind):
     """Rows of 2^22 elements: the row sums (forward statistics, backward mean(g) and
     mean(g * xhat)) are taken in two levels (lanes, then per-lane totals of 8192-element
-    chunks), so their error stays near
-    torch's instead of growing with the width (it was 50x torch's, 2e-5, at this width)."""
+    chunks), so their error stays near torch's instead of growing with the width (it was
+    50x torch's, 2e-5, at this width)."""
     g = torch.Generator().manual_seed(22)
     M, N = 2, 1 << 22
     x = torch.randn(M, N, generator=g) + 1
