@@ -6,17 +6,20 @@ walks the module tree and swaps every torch.nn MultiheadAttention, LayerNorm, RM
 TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder, TransformerDecoder
 and Transformer for its fasttrans.nn twin. The twin takes over the *same* Parameter and
 buffer objects (so optimizers, tied weights and checkpoints keep working and no memory is
-copied), the training mode of every submodule, and the module's hooks. State-dict keys do
-not change.
+copied), its training mode and hooks, and the module's own children: those of the kinds
+above are converted in turn (a layer's nn.Dropout becomes the fused fasttrans.nn.Dropout
+with the same p), any other child (a Linear subclass, a parametrized Linear, an Identity
+put in place of a dropout) is kept as it is, so per-sublayer settings and replacements
+survive. State-dict keys do not change. A module held at several paths gets one twin.
 
 Subclasses of those torch classes run code of their own, which a fasttrans module cannot
-reproduce: they are left untouched (their children are still converted) and reported.
+reproduce: they are left untouched (their children are still converted) and reported, as
+are torch.compile'd modules (their compiled code would keep calling the old modules).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 from torch import nn
@@ -33,67 +36,48 @@ _HOOK_ATTRS = (
 )
 
 
-def _factory(m: nn.Module) -> dict:
+def _dtype(m: nn.Module) -> dict:
     p = next(m.parameters(), None)
     if p is None:
         p = next(m.buffers(), None)
-    return {} if p is None else {"device": p.device, "dtype": p.dtype}
+    return {} if p is None else {"dtype": p.dtype}
 
 
-def _activation(layer: nn.Module):
-    return layer.activation
-
-
-def _build(m: nn.Module, convert_child) -> nn.Module:
-    """A fasttrans twin of torch module ``m`` with freshly allocated parameters."""
+def _shell(m: nn.Module) -> nn.Module:
+    """A fasttrans module configured as torch module ``m``, its own tensors on the meta device
+    (they are replaced by ``m``'s) and its children placeholders (replaced by ``m``'s, converted)."""
     t = type(m)
-    fk = _factory(m)
+    meta = {"device": "meta", **_dtype(m)}
     if t is nn.MultiheadAttention:
         return ftnn.MultiheadAttention(
             m.embed_dim, m.num_heads, dropout=m.dropout, bias=m.in_proj_bias is not None,
             add_bias_kv=m.bias_k is not None, add_zero_attn=m.add_zero_attn, kdim=m.kdim, vdim=m.vdim,
-            batch_first=m.batch_first, **fk,
+            batch_first=m.batch_first, **meta,
         )
     if t is nn.LayerNorm:
         return ftnn.LayerNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine,
-                              bias=m.bias is not None if m.elementwise_affine else True, **fk)
+                              bias=m.bias is not None if m.elementwise_affine else True, **meta)
     if t is nn.RMSNorm:
-        return ftnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, **fk)
-    if t is nn.TransformerEncoderLayer:
-        return ftnn.TransformerEncoderLayer(
-            m.self_attn.embed_dim, m.self_attn.num_heads, dim_feedforward=m.linear1.out_features,
-            dropout=m.dropout.p, activation=_activation(m), layer_norm_eps=m.norm1.eps,
-            batch_first=m.self_attn.batch_first, norm_first=m.norm_first, bias=m.linear1.bias is not None, **fk,
-        )
-    if t is nn.TransformerDecoderLayer:
-        return ftnn.TransformerDecoderLayer(
-            m.self_attn.embed_dim, m.self_attn.num_heads, dim_feedforward=m.linear1.out_features,
-            dropout=m.dropout.p, activation=_activation(m), layer_norm_eps=m.norm1.eps,
-            batch_first=m.self_attn.batch_first, norm_first=m.norm_first, bias=m.linear1.bias is not None, **fk,
+        return ftnn.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, **meta)
+    if t in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
+        # only the settings that are not children matter: every child is m's own, converted
+        cls = ftnn.TransformerEncoderLayer if t is nn.TransformerEncoderLayer else ftnn.TransformerDecoderLayer
+        return cls(
+            m.self_attn.embed_dim, m.self_attn.num_heads, dim_feedforward=1, activation=m.activation,
+            batch_first=m.self_attn.batch_first, norm_first=m.norm_first, **meta,
         )
     if t is nn.TransformerEncoder:
-        first = convert_child(m.layers[0])
-        enc = ftnn.TransformerEncoder(
-            first, len(m.layers), norm=convert_child(m.norm) if m.norm is not None else None,
-            enable_nested_tensor=m.enable_nested_tensor, mask_check=m.mask_check,
-        )
-        enc.layers = nn.ModuleList([first] + [convert_child(layer) for layer in m.layers[1:]])
+        enc = ftnn.TransformerEncoder(nn.Identity(), 0, enable_nested_tensor=m.enable_nested_tensor,
+                                      mask_check=m.mask_check)
+        enc.num_layers = m.num_layers
         return enc
     if t is nn.TransformerDecoder:
-        first = convert_child(m.layers[0])
-        dec = ftnn.TransformerDecoder(first, len(m.layers), norm=convert_child(m.norm) if m.norm is not None else None)
-        dec.layers = nn.ModuleList([first] + [convert_child(layer) for layer in m.layers[1:]])
+        dec = ftnn.TransformerDecoder(nn.Identity(), 0)
+        dec.num_layers = m.num_layers
         return dec
     if t is nn.Transformer:
-        # Transformer.__init__ re-initialises every parameter in place, a custom encoder's
-        # too: build the shell on the meta device and attach the converted stacks after.
-        shell = ftnn.Transformer(
-            m.d_model, m.nhead, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=1,
-            batch_first=m.batch_first, device="meta",
-        )
-        shell.encoder = convert_child(m.encoder)
-        shell.decoder = convert_child(m.decoder)
-        return shell
+        return ftnn.Transformer(m.d_model, m.nhead, custom_encoder=nn.Identity(), custom_decoder=nn.Identity(),
+                                batch_first=m.batch_first)
     raise AssertionError(f"no fasttrans twin for {t.__name__}")  # guarded by _SUPPORTED
 
 
@@ -103,39 +87,24 @@ _SUPPORTED = (
 )
 
 
-def _adopt_state(new: nn.Module, old: nn.Module) -> None:
-    """Make ``new`` use ``old``'s Parameter/buffer objects, training modes and hooks."""
-    new_keys, old_keys = set(new.state_dict().keys()), set(old.state_dict().keys())
-    if new_keys != old_keys:
-        raise AssertionError(
-            f"fasttrans.convert: state_dict keys differ for {type(old).__name__}: "
-            f"missing {sorted(old_keys - new_keys)}, unexpected {sorted(new_keys - old_keys)}"
-        )
-    new_modules = dict(new.named_modules())
-    for name, old_sub in old.named_modules():
-        new_sub = new_modules.get(name)
-        if new_sub is None:
-            continue
-        for pname, param in old_sub.named_parameters(recurse=False):
-            setattr(new_sub, pname, param)
-        for bname, buf in old_sub.named_buffers(recurse=False):
-            new_sub.register_buffer(bname, buf, persistent=bname not in old_sub._non_persistent_buffers_set)
-        new_sub.train(old_sub.training)
-        for attr in _HOOK_ATTRS:  # the twin at the same path takes over the hooks (and their handles)
-            if attr in old_sub.__dict__:
-                setattr(new_sub, attr, old_sub.__dict__[attr])
+def _adopt(new: nn.Module, old: nn.Module) -> None:
+    """``new`` takes over ``old``'s own Parameter and buffer objects, training mode and hooks."""
+    for name, param in old._parameters.items():
+        new.register_parameter(name, param)
+    for name, buf in old._buffers.items():
+        new.register_buffer(name, buf, persistent=name not in old._non_persistent_buffers_set)
+    new.train(old.training)
+    for attr in _HOOK_ATTRS:  # the twin takes over the hooks (and their handles)
+        if attr in old.__dict__:
+            setattr(new, attr, old.__dict__[attr])
 
 
-def _pin_backend(module: nn.Module, backend: str) -> None:
-    """Run ``module``'s forward under ``fasttrans.use_backend(backend)``."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def pinned(*args, **kwargs):
-        with backends.use_backend(backend):
-            return forward(*args, **kwargs)
-
-    module.forward = pinned
+def _compiled_module_type():
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # a torch without dynamo
+        return ()
+    return OptimizedModule
 
 
 def convert(
@@ -165,27 +134,65 @@ def convert(
         model = copy.deepcopy(model)
     skipped: list[tuple[str, str]] = []
     converted: list[nn.Module] = []
+    done: dict[int, nn.Module] = {}  # a module reached at several paths gets one twin
+    compiled = _compiled_module_type()
 
-    def convert_module(m: nn.Module, name: str) -> nn.Module:
+    def twin_of(m: nn.Module, name: str) -> nn.Module | None:
+        """m's fasttrans twin, holding m's tensors and m's children (converted); None when
+        the twin could not hold them all (m is then left as it is and reported)."""
+        try:
+            new = _shell(m)
+        except Exception as e:  # a child replaced by something without the attributes read
+            skipped.append((name or type(m).__name__, f"its configuration could not be read ({type(e).__name__}: {e})"))
+            return None
+        own = {n for n, c in new._modules.items() if c is not None}
+        theirs = {n for n, c in m._modules.items() if c is not None}
+        extra = sorted(own - theirs)
+        if extra or set(new._parameters) != set(m._parameters) or set(new._buffers) != set(m._buffers):
+            skipped.append((name or type(m).__name__, "its parameters or children differ from torch's layout "
+                            f"(missing children: {extra or 'none'})"))
+            return None
+        for child_name, child in m._modules.items():
+            if child is not None:
+                setattr(new, child_name, convert_module(child, f"{name}.{child_name}" if name else child_name, True))
+        _adopt(new, m)
+        return new
+
+    def convert_module(m: nn.Module, name: str, in_twin: bool = False) -> nn.Module:
+        if id(m) in done:
+            return done[id(m)]
+        result = m
+        if compiled and isinstance(m, compiled):  # its compiled code would keep running the old modules
+            skipped.append((name or type(m).__name__, "compiled with torch.compile: convert the model before compiling it"))
+            done[id(m)] = m
+            return m
         if type(m) in _SUPPORTED:
-            new = _build(m, lambda child: convert_module(child, name))
-            _adopt_state(new, m)
-            converted.append(new)
-            return new
-        if isinstance(m, _SUPPORTED):
+            result = twin_of(m, name) or m
+        elif in_twin and type(m) is nn.Dropout:  # a converted layer's dropouts use the fused kernel
+            result = ftnn.Dropout(m.p, m.inplace)
+            _adopt(result, m)
+        elif isinstance(m, _SUPPORTED):
             base = next(c for c in _SUPPORTED if isinstance(m, c))
             skipped.append((name or type(m).__name__,
                             f"{type(m).__name__} subclasses torch.nn.{base.__name__} with code of its own"))
-        for child_name, child in list(m.named_children()):
-            new_child = convert_module(child, f"{name}.{child_name}" if name else child_name)
-            if new_child is not child:
-                setattr(m, child_name, new_child)
-        return m
+        if result is m:  # left as it is: its children may still be converted
+            done[id(m)] = m
+            # _modules, not named_children(): a module held under two names is converted at both
+            for child_name, child in list(m._modules.items()):
+                if child is None:
+                    continue
+                new_child = convert_module(child, f"{name}.{child_name}" if name else child_name)
+                if new_child is not child:
+                    setattr(m, child_name, new_child)
+        else:
+            converted.append(result)
+            done[id(m)] = result
+        return result
 
     result = convert_module(model, "")
     if backend is not None:
         for m in converted:
-            _pin_backend(m, backend)
+            m._fasttrans_backend = backend
     if skipped:
         warnings.warn(
             "fasttrans.convert left these modules unconverted: "

@@ -1,5 +1,6 @@
 """fasttrans.convert: existing torch.nn models, converted in one call, give the same numbers."""
 
+import copy
 import warnings
 
 import pytest
@@ -154,3 +155,140 @@ def test_backend_pin_applies_inside_converted_modules(monkeypatch):
         fasttrans.convert(model, backend="fastest")
     with pytest.raises(TypeError, match="model"):
         fasttrans.convert("not a module")
+
+
+class ScaledLinear(nn.Linear):
+    """A user's own Linear (same parameters, its own forward)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class HalfNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_a_layers_own_children_and_settings_are_kept():
+    """convert keeps every child of a layer it converts: replaced children (a Linear
+    subclass, a custom norm, Identity for a dropout) stay the same objects, and per-sublayer
+    settings (a norm's eps, a dropout's p) stay as they were."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    custom = {"linear1": ScaledLinear(D, 32, dtype=torch.float64), "norm2": HalfNorm(D, dtype=torch.float64),
+              "dropout1": nn.Identity()}
+    for name, child in custom.items():
+        setattr(layer, name, child)
+    layer.norm1.eps = 1.0
+    layer.dropout2.p = 0.3
+    model = nn.Sequential(layer).eval()
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    expected = _grads(model, (x,), lambda m, x: m(x))
+    with pytest.warns(UserWarning, match="HalfNorm"):
+        _, skipped = fasttrans.convert(model)
+    assert [n for n, _ in skipped] == ["0.norm2"]
+    assert type(model[0]) is ftnn.TransformerEncoderLayer
+    for name, child in custom.items():
+        assert getattr(model[0], name) is child, name
+    assert type(model[0].norm1) is ftnn.LayerNorm and model[0].norm1.eps == 1.0
+    assert type(model[0].dropout2) is ftnn.Dropout and model[0].dropout2.p == 0.3
+    _assert_same(_grads(model, (x,), lambda m, x: m(x)), expected)
+
+
+def test_parametrized_children_are_kept():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    torch.nn.utils.parametrizations.weight_norm(layer.linear1)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    expected = _grads(layer, (x,), lambda m, x: m(x))
+    linear1 = layer.linear1
+    converted, skipped = fasttrans.convert(layer)
+    assert type(converted) is ftnn.TransformerEncoderLayer and converted.linear1 is linear1 and skipped == []
+    assert list(converted.state_dict()) == list(layer.state_dict())
+    _assert_same(_grads(converted, (x,), lambda m, x: m(x)), expected)
+
+
+def test_a_module_held_twice_becomes_one_twin():
+    ln = nn.LayerNorm(D)
+    model = nn.Sequential(ln, nn.ReLU(), ln)
+    model.extra = ln
+    _, skipped = fasttrans.convert(model)
+    assert skipped == [] and type(model[0]) is ftnn.LayerNorm
+    assert model[0] is model[2] is model.extra
+
+
+def test_pinned_backend_goes_with_copies_clones_and_pickles(monkeypatch, tmp_path):
+    seen = []
+    select = backends.select_backend
+
+    def spy(op, device, dtype=None):
+        seen.append(backends.current_forced_backend())
+        return select(op, device, dtype)
+
+    monkeypatch.setattr(backends, "select_backend", spy)
+    layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True)
+    layer, _ = fasttrans.convert(layer, backend="reference")
+    x = torch.randn(2, 5, D)
+    # a deep copy with other weights computes with its own weights, pinned too
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(-1.5)
+    seen.clear()
+    out = twin(x)
+    assert set(seen) == {"reference"}
+    unpinned = copy.deepcopy(twin)
+    del unpinned._fasttrans_backend
+    with fasttrans.use_backend("reference"):
+        torch.testing.assert_close(out, unpinned(x))
+    assert not torch.allclose(out, layer(x))
+    # a stack clones the layer: every clone trains its own parameters
+    stack = ftnn.TransformerEncoder(layer, 2)
+    stack(x).sum().backward()
+    assert all(p.grad is not None for p in stack.parameters())
+    # and a saved model keeps the pin
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    seen.clear()
+    torch.testing.assert_close(loaded(x), layer(x))
+    assert set(seen) == {"reference"}
+
+
+def test_compiled_modules_are_reported_and_left_alone():
+    inner = nn.LayerNorm(D)
+    model = nn.Sequential(torch.compile(inner))
+    with pytest.warns(UserWarning, match="torch.compile"):
+        _, skipped = fasttrans.convert(model)
+    assert skipped == [("0", "compiled with torch.compile: convert the model before compiling it")]
+    assert model[0]._orig_mod is inner
+
+
+def test_state_dict_hooks_do_not_run_during_conversion():
+    model = nn.Sequential(nn.TransformerEncoderLayer(D, H, 32, batch_first=True))
+    calls = []
+
+    def add_key(module, state_dict, prefix, local_metadata):
+        calls.append(prefix)
+        state_dict[prefix + "calibration"] = torch.ones(1)
+
+    model[0].norm1._register_state_dict_hook(add_key)
+    _, skipped = fasttrans.convert(model)
+    assert calls == [] and skipped == []
+    assert "0.norm1.calibration" in model.state_dict()  # the hook moved to the twin with the module
+
+
+def test_skipped_names_are_the_modules_paths():
+    class MyLayer(nn.TransformerEncoderLayer):
+        pass
+
+    class MyEncoder(nn.TransformerEncoder):
+        pass
+
+    model = nn.Sequential(nn.ReLU(), nn.TransformerEncoder(MyLayer(D, H, 32), 2))
+    with pytest.warns(UserWarning):
+        _, skipped = fasttrans.convert(model)
+    assert [n for n, _ in skipped] == ["1.layers.0", "1.layers.1"]
+    t = nn.Transformer(D, H, 1, 1, 32, custom_encoder=MyEncoder(nn.TransformerEncoderLayer(D, H, 32), 1))
+    with pytest.warns(UserWarning):
+        _, skipped = fasttrans.convert(t)
+    assert [n for n, _ in skipped] == ["encoder"]

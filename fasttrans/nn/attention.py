@@ -28,6 +28,7 @@ from torch.nn import Module, Parameter
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from .. import backends
 from .. import functional as FT
 from . import _masks
 
@@ -179,6 +180,7 @@ class MultiheadAttention(Module):
     # ----------------------------------------------------------------------------------
     # forward
     # ----------------------------------------------------------------------------------
+    @backends.pinnable
     def forward(
         self,
         query: Tensor,

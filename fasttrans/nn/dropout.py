@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import backends
 from .. import functional as FT
 
 __all__ = ["Dropout"]
@@ -21,5 +22,6 @@ class Dropout(torch.nn.Dropout):
     (seeded from torch's default generator), so they differ from torch.nn.Dropout's.
     """
 
+    @backends.pinnable
     def forward(self, input: Tensor) -> Tensor:
         return FT.dropout(input, self.p, self.training, self.inplace)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter, init
 
+from .. import backends
 from .. import functional as FT
 
 __all__ = ["LayerNorm", "RMSNorm", "check_layer_norm_dtypes"]
@@ -95,6 +96,7 @@ class LayerNorm(Module):
             if self.bias is not None:
                 init.zeros_(self.bias)
 
+    @backends.pinnable
     def forward(self, input: Tensor) -> Tensor:
         check_layer_norm_dtypes(input, self.weight, self.bias)
         if isinstance(input, Tensor) and not input.is_floating_point():
@@ -152,6 +154,7 @@ class RMSNorm(Module):
         if self.elementwise_affine:
             init.ones_(self.weight)
 
+    @backends.pinnable
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, Tensor) and not x.is_floating_point():
             # torch's kernel dispatch raises NotImplementedError for integer inputs

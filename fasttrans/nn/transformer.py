@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.nn import Linear, Module, ModuleList
 from torch.nn.init import xavier_uniform_
 
+from .. import backends
 from .. import functional as FT
 from . import _masks
 from .attention import MultiheadAttention
@@ -175,6 +176,7 @@ class TransformerEncoderLayer(Module):
         if not hasattr(self, "activation"):
             self.activation = F.relu
 
+    @backends.pinnable
     def forward(
         self,
         src: Tensor,
@@ -265,6 +267,7 @@ class TransformerDecoderLayer(Module):
             state["activation"] = F.relu
         super().__setstate__(state)
 
+    @backends.pinnable
     def forward(
         self,
         tgt: Tensor,
@@ -350,6 +353,7 @@ class TransformerEncoder(Module):
         self.use_nested_tensor = False
         self.mask_check = mask_check
 
+    @backends.pinnable
     def forward(
         self,
         src: Tensor,
@@ -395,6 +399,7 @@ class TransformerDecoder(Module):
         self.num_layers = num_layers
         self.norm = norm
 
+    @backends.pinnable
     def forward(
         self,
         tgt: Tensor,
@@ -498,6 +503,7 @@ class Transformer(Module):
         self.nhead = nhead
         self.batch_first = batch_first
 
+    @backends.pinnable
     def forward(
         self,
         src: Tensor,
