@@ -103,3 +103,13 @@ def test_generation_argument_errors():
     model = _model(False)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(_src(), 0, BOS, EOS)
+
+
+def test_generate_restores_every_submodules_mode():
+    """A model trained with a frozen part in eval mode keeps it so after generating."""
+    model = _model(False)
+    model.train()
+    model.transformer.encoder.eval()
+    before = {n: m.training for n, m in model.named_modules()}
+    model.generate(_src(), 3, BOS, EOS)
+    assert {n: m.training for n, m in model.named_modules()} == before

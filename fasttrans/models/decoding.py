@@ -181,7 +181,7 @@ def greedy_decode(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected at least 1, got {max_new_tokens}")
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # restored one by one: a frozen part may be in eval mode
     model.eval()
     try:
         if src_key_padding_mask is None:
@@ -211,7 +211,8 @@ def greedy_decode(
             if eos_idx is not None and bool(finished.all()):
                 break
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     if return_logits:
         return tokens, torch.stack(step_logits, dim=1)
     return tokens
