@@ -90,6 +90,10 @@ class TrainConfig:
             raise ValueError(f"lr: expected a positive learning rate, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps: expected >= 0, got {self.warmup_steps}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: expected >= 0 (0: only at the end), got {self.checkpoint_every}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip: expected >= 0 (0: no clipping), got {self.grad_clip}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.backend not in BACKEND_CHOICES:
@@ -198,6 +202,12 @@ def compute_loss(model, src: torch.Tensor, tgt: torch.Tensor, config: Seq2SeqCon
 # --------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
     """torch.save to a temporary file in the same directory, fsync, then rename over ``path``.
 
@@ -212,6 +222,7 @@ def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file 0600; a plain save respects the umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -297,7 +308,10 @@ class _Dist:
 def _pick_device(name: str, local_rank: int, distributed: bool) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device: {name!r} was asked for but torch sees no CUDA device")
@@ -415,6 +429,17 @@ def _backend_names(device: torch.device) -> dict[str, str]:
     return names
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """Raise ValueError unless ``out_dir`` is, or can be made, a writable directory."""
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):  # the nearest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"out_dir: {out_dir!r} is not a directory ({existing!r} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir: {out_dir!r} cannot be written ({existing!r} is not writable)")
+
+
 def run(
     config: TrainConfig,
     model_overrides: dict[str, Any] | None = None,
@@ -425,6 +450,7 @@ def run(
 
     task = get_task(config.task)
     model_overrides = dict(model_overrides or {})
+    _check_out_dir(config.out_dir)  # before training, not when the first save fails
     threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)

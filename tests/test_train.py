@@ -251,6 +251,32 @@ def test_cli_errors_are_reported(tmp_path, capsys, monkeypatch):
         cli.main(["train", "--task", "summarize"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--nhead", "0"], "nhead: expected a positive integer"),
+    (["--layers", "0"], "num_encoder_layers: expected a positive integer"),
+    (["--device", "foo"], "device: expected auto, cpu, cuda or cuda:N"),
+    (["--checkpoint-every", "-1"], "checkpoint_every"),
+    (["--grad-clip", "-1"], "grad_clip"),
+    (["--out-dir", "{file}"], "is not a directory"),
+])
+def test_cli_rejects_bad_settings_before_training(tmp_path, capsys, flags, message):
+    (tmp_path / "file").write_text("")
+    flags = [f.format(file=tmp_path / "file") for f in flags]
+    argv = ["train", "--task", "translate", "--steps", "2", "--no-progress", "--no-plot", "--no-eval"]
+    if "--out-dir" not in flags:
+        argv += ["--out-dir", str(tmp_path / "out")]
+    assert cli.main(argv + flags) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "training:" not in captured.out
+
+
+def test_checkpoint_permissions_follow_the_umask(tmp_path):
+    result = train.run(_config(tmp_path, steps=1), TINY, log=_quiet)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert os.stat(result.checkpoint).st_mode & 0o777 == 0o666 & ~mask
+
+
 def test_cli_info(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

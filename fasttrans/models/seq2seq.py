@@ -67,6 +67,11 @@ class Seq2SeqConfig:
     def __post_init__(self) -> None:
         if self.tgt_vocab_size is None:
             self.tgt_vocab_size = self.src_vocab_size
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "nhead", "num_encoder_layers",
+                     "num_decoder_layers", "dim_feedforward", "max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if self.d_model % self.nhead != 0:
             raise ValueError(f"d_model: expected a multiple of nhead ({self.nhead}), got {self.d_model}")
         for name in ("src_pad_idx", "tgt_pad_idx"):
