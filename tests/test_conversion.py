@@ -137,16 +137,22 @@ def test_unsupported_modules_are_left_alone_and_reported():
     _assert_same(_grads(model, (x,), lambda m, x: m(x)), expected)
 
 
-def test_backend_pin_applies_inside_converted_modules(monkeypatch):
-    model = nn.Sequential(nn.MultiheadAttention(D, H, batch_first=True))
-    seen = []
+@pytest.fixture
+def seen(monkeypatch):
+    """The forced backend (or None) at each backend selection, in call order."""
+    calls = []
     select = backends.select_backend
 
     def spy(op, device, dtype=None):
-        seen.append(backends.current_forced_backend())
+        calls.append(backends.current_forced_backend())
         return select(op, device, dtype)
 
     monkeypatch.setattr(backends, "select_backend", spy)
+    return calls
+
+
+def test_backend_pin_applies_inside_converted_modules(seen):
+    model = nn.Sequential(nn.MultiheadAttention(D, H, batch_first=True))
     _, _ = fasttrans.convert(model, backend="reference")
     x = torch.randn(1, 3, D)
     model[0](x, x, x, need_weights=False)
@@ -217,15 +223,7 @@ def test_a_module_held_twice_becomes_one_twin():
     assert model[0] is model[2] is model.extra
 
 
-def test_pinned_backend_goes_with_copies_clones_and_pickles(monkeypatch, tmp_path):
-    seen = []
-    select = backends.select_backend
-
-    def spy(op, device, dtype=None):
-        seen.append(backends.current_forced_backend())
-        return select(op, device, dtype)
-
-    monkeypatch.setattr(backends, "select_backend", spy)
+def test_pinned_backend_goes_with_copies_clones_and_pickles(seen, tmp_path):
     layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True)
     layer, _ = fasttrans.convert(layer, backend="reference")
     x = torch.randn(2, 5, D)
