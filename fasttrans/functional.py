@@ -209,7 +209,7 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if k.shape[3] != D:
         raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
-    if (H % Hkv != 0) if Hkv else H != 0:
+    if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):  # no heads at all (H = Hkv = 0) is empty
         raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
     if D < 1:
         raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
