@@ -112,7 +112,22 @@ def _call(op, grad_inputs: tuple, *args):
 # (it would read as a zero derivative), and torch.func.grad / jacrev raise inside it. Calls
 # under such a transform are computed by the reference implementation instead, whose
 # PyTorch ops every transform can differentiate (eager only; vmap alone keeps the kernels).
-_transform_warned: set[str] = set()
+_reference_warned: set[str] = set()  # the keys of the fallbacks that have warned
+
+
+def _fall_back_to_reference(key: str, what: str, why: str) -> None:
+    """``what`` runs on the reference implementation because ``why``: automatic selection
+    warns once per ``key``; a forced kernel backend raises instead."""
+    forced = backends.current_forced_backend()
+    if forced not in (None, "reference"):
+        raise backends.BackendUnavailableError(
+            f"backend '{forced}' was requested for {what}, but {why}; use the reference backend "
+            "(fasttrans.use_backend('reference')) there"
+        )
+    if forced is None and key not in _reference_warned and not _is_compiling():
+        _reference_warned.add(key)
+        warnings.warn(f"fasttrans: {what} runs on the reference (pure PyTorch) implementation: {why}",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _under_autodiff_transform(*tensors) -> bool:
@@ -128,53 +143,21 @@ def _under_autodiff_transform(*tensors) -> bool:
 
 
 def _on_reference_under_transform(op: str, *tensors) -> bool:
-    """Whether ``op`` on these inputs runs on the reference because a transform differentiates them.
-
-    Warns once per op when the backend was chosen automatically; a forced kernel backend raises.
-    """
+    """Whether ``op`` on these inputs runs on the reference because a transform differentiates them."""
     if not _under_autodiff_transform(*tensors):
         return False
-    forced = backends.current_forced_backend()
-    if forced not in (None, "reference"):
-        raise backends.BackendUnavailableError(
-            f"backend '{forced}' was requested for {op}, but its inputs are differentiated by torch.func "
-            "(grad, jacrev, jvp, jacfwd) or forward-mode AD, which its kernels do not support (their autograd "
-            "serves torch.autograd); use the reference backend (fasttrans.use_backend('reference')) there"
-        )
-    if forced is None and op not in _transform_warned:
-        _transform_warned.add(op)
-        warnings.warn(
-            f"fasttrans: {op} under torch.func.grad/jacrev/jvp/jacfwd or forward-mode AD runs on the "
-            "reference (pure PyTorch) implementation: the fused kernels' autograd serves torch.autograd only",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    _fall_back_to_reference(op, f"{op} under torch.func.grad/jacrev/jvp/jacfwd or forward-mode AD",
+                            "the fused kernels' autograd serves torch.autograd only")
     return True
 
 
-_head_dim_warned: set[int] = set()
-
-
 def _on_reference_for_head_dim(D: int) -> bool:
-    """Whether attention with head dim ``D`` runs on the reference: the kernels stop at
-    MAX_HEAD_DIM. Warns once per head dim when the backend was chosen automatically; a forced
-    kernel backend raises."""
+    """Whether attention with head dim ``D`` runs on the reference: the kernels stop at MAX_HEAD_DIM."""
     if D <= MAX_HEAD_DIM:
         return False
-    forced = backends.current_forced_backend()
-    if forced not in (None, "reference"):
-        raise backends.BackendUnavailableError(
-            f"backend '{forced}' was requested for attention, but its kernels support head dims up to "
-            f"{MAX_HEAD_DIM}, got {D}; the reference backend (fasttrans.use_backend('reference')) runs any head dim"
-        )
-    if forced is None and D not in _head_dim_warned and not _is_compiling():
-        _head_dim_warned.add(D)
-        warnings.warn(
-            f"fasttrans: attention with head dim {D} runs on the reference (pure PyTorch) implementation, which "
-            f"materialises the (Lq, Lk) scores: the fused kernels support head dims up to {MAX_HEAD_DIM}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    _fall_back_to_reference(f"head dim {D}", f"attention with head dim {D}",
+                            f"the fused kernels support head dims up to {MAX_HEAD_DIM} (the reference "
+                            "materialises the (Lq, Lk) scores)")
     return True
 
 

@@ -345,7 +345,7 @@ def test_causal_offsets_past_the_sequences(offset):
 def test_head_dims_past_the_kernels_run_on_the_reference(monkeypatch):
     """Head dims above MAX_HEAD_DIM: automatic selection runs the reference (with a one-time
     warning that says why) and matches SDPA; a forced kernel backend raises."""
-    monkeypatch.setattr(functional, "_head_dim_warned", set())
+    monkeypatch.setattr(functional, "_reference_warned", set())
     D = functional.MAX_HEAD_DIM + 44
     q, k, v = _qkv(Lq=6, Lk=6, D=D)
     with pytest.warns(RuntimeWarning, match=f"head dim {D} runs on the reference"):

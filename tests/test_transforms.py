@@ -27,7 +27,7 @@ f64 = torch.float64
 def _quiet_fallback(monkeypatch):
     # the fallback's one-time warning is tested on its own below
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
-    monkeypatch.setattr(functional, "_transform_warned", {"attention", "layer_norm", "add_layer_norm", "rms_norm", "dropout"})
+    monkeypatch.setattr(functional, "_reference_warned", {"attention", "layer_norm", "add_layer_norm", "rms_norm", "dropout"})
 
 
 def _norm_case(op):
@@ -163,7 +163,7 @@ def test_a_forced_kernel_backend_refuses_transforms(transform):
 
 
 def test_the_fallback_warns_once_per_op(monkeypatch):
-    monkeypatch.setattr(functional, "_transform_warned", set())
+    monkeypatch.setattr(functional, "_reference_warned", set())
     x = torch.randn(3, 8, dtype=f64)
     with pytest.warns(RuntimeWarning, match="layer_norm under torch.func"):
         torch.func.jvp(lambda x: fasttrans.layer_norm(x, (8,)), (x,), (x,))
