@@ -137,24 +137,31 @@ def convert(
     done: dict[int, nn.Module] = {}  # a module reached at several paths gets one twin
     compiled = _compiled_module_type()
 
+    def skip(m: nn.Module, name: str, why: str) -> None:
+        skipped.append((name or type(m).__name__, why))
+
+    def path(name: str, child_name: str) -> str:
+        return f"{name}.{child_name}" if name else child_name
+
     def twin_of(m: nn.Module, name: str) -> nn.Module | None:
         """m's fasttrans twin, holding m's tensors and m's children (converted); None when
         the twin could not hold them all (m is then left as it is and reported)."""
         try:
             new = _shell(m)
         except Exception as e:  # a child replaced by something without the attributes read
-            skipped.append((name or type(m).__name__, f"its configuration could not be read ({type(e).__name__}: {e})"))
+            skip(m, name, f"its configuration could not be read ({type(e).__name__}: {e})")
             return None
-        own = {n for n, c in new._modules.items() if c is not None}
-        theirs = {n for n, c in m._modules.items() if c is not None}
-        extra = sorted(own - theirs)
-        if extra or set(new._parameters) != set(m._parameters) or set(new._buffers) != set(m._buffers):
-            skipped.append((name or type(m).__name__, "its parameters or children differ from torch's layout "
-                            f"(missing children: {extra or 'none'})"))
+        missing = sorted({n for n, c in new._modules.items() if c is not None}
+                         - {n for n, c in m._modules.items() if c is not None})
+        if missing:
+            skip(m, name, f"it lacks the children {', '.join(missing)} that torch's layout has")
+            return None
+        if set(new._parameters) != set(m._parameters) or set(new._buffers) != set(m._buffers):
+            skip(m, name, "its own parameters or buffers differ from torch's layout")
             return None
         for child_name, child in m._modules.items():
             if child is not None:
-                setattr(new, child_name, convert_module(child, f"{name}.{child_name}" if name else child_name, True))
+                setattr(new, child_name, convert_module(child, path(name, child_name), True))
         _adopt(new, m)
         return new
 
@@ -163,7 +170,7 @@ def convert(
             return done[id(m)]
         result = m
         if compiled and isinstance(m, compiled):  # its compiled code would keep running the old modules
-            skipped.append((name or type(m).__name__, "compiled with torch.compile: convert the model before compiling it"))
+            skip(m, name, "compiled with torch.compile: convert the model before compiling it")
             done[id(m)] = m
             return m
         if type(m) in _SUPPORTED:
@@ -173,15 +180,14 @@ def convert(
             _adopt(result, m)
         elif isinstance(m, _SUPPORTED):
             base = next(c for c in _SUPPORTED if isinstance(m, c))
-            skipped.append((name or type(m).__name__,
-                            f"{type(m).__name__} subclasses torch.nn.{base.__name__} with code of its own"))
+            skip(m, name, f"{type(m).__name__} subclasses torch.nn.{base.__name__} with code of its own")
         if result is m:  # left as it is: its children may still be converted
             done[id(m)] = m
             # _modules, not named_children(): a module held under two names is converted at both
             for child_name, child in list(m._modules.items()):
                 if child is None:
                     continue
-                new_child = convert_module(child, f"{name}.{child_name}" if name else child_name)
+                new_child = convert_module(child, path(name, child_name))
                 if new_child is not child:
                     setattr(m, child_name, new_child)
         else:

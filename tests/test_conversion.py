@@ -290,3 +290,19 @@ def test_skipped_names_are_the_modules_paths():
     with pytest.warns(UserWarning):
         _, skipped = fasttrans.convert(t)
     assert [n for n, _ in skipped] == ["encoder"]
+
+
+def test_layers_that_lost_a_child_or_gained_a_tensor_are_reported():
+    """A twin is made only when it can hold all of the layer's own tensors and fill every
+    child it calls: otherwise the layer stays torch's, with the reason."""
+    lost = nn.TransformerEncoderLayer(D, H, 32)
+    del lost.dropout2
+    gained = nn.TransformerEncoderLayer(D, H, 32)
+    gained.register_buffer("calibration", torch.ones(1))
+    model = nn.Sequential(lost, gained)
+    with pytest.warns(UserWarning, match="dropout2"):
+        _, skipped = fasttrans.convert(model)
+    assert skipped == [("0", "it lacks the children dropout2 that torch's layout has"),
+                       ("1", "its own parameters or buffers differ from torch's layout")]
+    assert type(model[0]) is type(model[1]) is nn.TransformerEncoderLayer
+    assert type(model[1].self_attn) is ftnn.MultiheadAttention  # their children are still converted
