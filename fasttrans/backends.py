@@ -465,11 +465,12 @@ def _preference(device: torch.device) -> tuple[str, ...]:
 
 def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
     """The backend that runs ``op`` on ``device`` for inputs of ``dtype``: the forced one, or
-    the best available (a forced backend without kernels for the dtype raises its own error)."""
+    the best available. A forced backend that cannot run ``op`` on ``device``, or has no
+    kernels for ``dtype`` there, raises BackendUnavailableError saying why."""
     forced = current_forced_backend()
     if forced is not None:  # checked on every call: its checks may read the environment
         backend = BACKENDS[forced]
-        why = backend.unavailable_reason(device, op)
+        why = backend.unavailable_reason(device, op) or backend.dtype_reason(device, dtype)
         if why is not None:
             raise BackendUnavailableError(f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
         return backend

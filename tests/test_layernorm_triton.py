@@ -262,8 +262,13 @@ def test_backward_is_deterministic(shape):
 
 def test_float64_is_rejected():
     x = torch.randn(3, 5, device=DEVICE, dtype=torch.float64)
-    with fasttrans.use_backend("triton"), pytest.raises(TypeError, match="float64"):
-        fasttrans.layer_norm(x, (5,))
+    # a forced backend without kernels for the dtype is unavailable, as for any other reason
+    with fasttrans.use_backend("triton"):
+        for call in (lambda: fasttrans.layer_norm(x, (5,)), lambda: fasttrans.add_layer_norm(x, x),
+                     lambda: fasttrans.attention(x[None, None], x[None, None], x[None, None]),
+                     lambda: fasttrans.functional.dropout(x, 0.5)):
+            with pytest.raises(fasttrans.BackendUnavailableError, match="'triton' has no float64 kernels"):
+                call()
     with pytest.raises(TypeError, match=r"h: .*float64"):
         K.norm_bwd(x, None, x, None, None, x[:, 0], x[:, 0], False)
 
