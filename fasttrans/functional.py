@@ -386,6 +386,20 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_ma
     return shape
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_layer_norm_param_dtypes(x, weight, bias) -> None:
+    """The dtypes F.layer_norm accepts: parameters in x's dtype, or float32 ones with a
+    float16/bfloat16 x (mixed precision), weight and bias alike."""
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _LOW_PRECISION):
+            allowed = f"{x.dtype}{' or torch.float32' if x.dtype in _LOW_PRECISION else ''}"
+            raise DTypeError(f"{name}: expected dtype {allowed} (from x), got {p.dtype}")
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise DTypeError(f"bias: expected the dtype of weight ({weight.dtype}), got {bias.dtype}")
+
+
 # The norms are called once per layer with small rows in decoding loops: the glue below
 # skips the reshapes and views that would be identities (each costs about a microsecond).
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -427,6 +441,7 @@ def layer_norm(
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
+    _check_layer_norm_param_dtypes(x, weight, bias)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.layer_norm(x, shape, weight, bias, eps)
     if _on_reference_under_transform("layer_norm", x, weight, bias):
@@ -451,6 +466,7 @@ def add_layer_norm(
     if x.dim() == 0:
         raise ShapeError("x: expected at least one dimension, got a scalar")
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
+    _check_layer_norm_param_dtypes(x, weight, bias)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.add_layer_norm(x, residual, weight, bias, eps)
     if _on_reference_under_transform("add_layer_norm", x, residual, weight, bias):

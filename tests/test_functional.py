@@ -52,6 +52,8 @@ ATTENTION_ERRORS = [
     ("sparse v", dict(v=v0.to_sparse()), TypeError, "v: expected a dense"),
     ("sparse mask", dict(attn_mask=torch.ones(5, 7, dtype=torch.bool).to_sparse()), TypeError, "attn_mask: expected a dense"),
     ("sparse key_lengths", dict(key_lengths=torch.tensor([1, 2]).to_sparse()), TypeError, "key_lengths: expected a dense"),
+    ("k device", dict(k=k0.to("meta")), DeviceError, "k: expected a tensor on cpu"),
+    ("v device", dict(v=v0.to("meta")), DeviceError, "v: expected a tensor on cpu"),
 ]
 
 
@@ -89,6 +91,14 @@ NORM_ERRORS = [
     (lambda: fasttrans.layer_norm(x0, (6,), None, torch.ones(6).to_sparse()), TypeError, "bias: expected a dense"),
     (lambda: fasttrans.add_layer_norm(x0, x0.to_sparse()), TypeError, "residual: expected a dense"),
     (lambda: functional.dropout(x0.to_sparse(), 0.5), TypeError, "input: expected a dense"),
+    # F.layer_norm's dtype rule: parameters in x's dtype, or float32 with a float16/bfloat16 x
+    (lambda: fasttrans.layer_norm(x0, (6,), torch.ones(6, dtype=torch.float16)), DTypeError, "weight"),
+    (lambda: fasttrans.layer_norm(x0.double(), (6,), None, torch.ones(6)), DTypeError, "bias"),
+    (lambda: fasttrans.layer_norm(x0.half(), (6,), torch.ones(6, dtype=torch.bfloat16)), DTypeError, "weight"),
+    (lambda: fasttrans.layer_norm(x0.half(), (6,), torch.ones(6), torch.ones(6).half()), DTypeError, "bias"),
+    (lambda: fasttrans.add_layer_norm(x0, x0, torch.ones(6, dtype=torch.float64)), DTypeError, "weight"),
+    (lambda: fasttrans.layer_norm(x0, (6,), torch.ones(6, device="meta")), DeviceError, "weight"),
+    (lambda: fasttrans.add_layer_norm(x0, x0.to("meta")), DeviceError, "residual"),
 ]
 
 
