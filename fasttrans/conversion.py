@@ -11,6 +11,8 @@ above are converted in turn (a layer's nn.Dropout becomes the fused fasttrans.nn
 with the same p), any other child (a Linear subclass, a parametrized Linear, an Identity
 put in place of a dropout) is kept as it is, so per-sublayer settings and replacements
 survive. State-dict keys do not change. A module held at several paths gets one twin.
+A replaced module is not modified (a container of its that holds converted modules is
+copied for the twin), so code that still holds it computes what it did.
 
 Subclasses of those torch classes run code of their own, which a fasttrans module cannot
 reproduce: they are left untouched (their children are still converted) and reported, as
@@ -99,6 +101,18 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
             setattr(new, attr, old.__dict__[attr])
 
 
+def _copy_with_children(m: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``m`` (same tensors, hooks and attributes, its own registries),
+    whose children ``children`` replace m's of the same names; ``m`` is not modified."""
+    new = copy.copy(m)
+    for attr in ("_parameters", "_buffers", "_modules", *_HOOK_ATTRS):
+        if isinstance(m.__dict__.get(attr), dict):
+            new.__dict__[attr] = m.__dict__[attr].copy()
+    new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+    new._modules.update(children)
+    return new
+
+
 def _compiled_module_type():
     try:
         from torch._dynamo.eval_frame import OptimizedModule
@@ -123,7 +137,9 @@ def convert(
 
     Returns:
         (converted model, skipped) where skipped lists ``(qualified name, reason)`` for the
-        modules that were left as they are. A model with nothing left to convert
+        modules that were left as they are. The converted model is ``model`` itself
+        (converted in place) unless ``model`` is one of the supported modules: then it is
+        ``model``'s twin, holding the same parameters, and ``model`` is left as it was. A model with nothing left to convert
         (for example an already converted one) is returned unchanged with no skips.
     """
     if not isinstance(model, nn.Module):
@@ -161,11 +177,14 @@ def convert(
             return None
         for child_name, child in m._modules.items():
             if child is not None:
-                setattr(new, child_name, convert_module(child, path(name, child_name), True))
+                setattr(new, child_name, convert_module(child, path(name, child_name), in_twin=True, frozen=True))
         _adopt(new, m)
         return new
 
-    def convert_module(m: nn.Module, name: str, in_twin: bool = False) -> nn.Module:
+    def convert_module(m: nn.Module, name: str, in_twin: bool = False, frozen: bool = False) -> nn.Module:
+        """m converted. ``frozen``: m belongs to a module that its twin replaces, so m is
+        not modified (where its children change, a copy of it holds them): the replaced
+        module stays exactly as it was, for whoever still holds it."""
         if id(m) in done:
             return done[id(m)]
         result = m
@@ -184,12 +203,17 @@ def convert(
         if result is m:  # left as it is: its children may still be converted
             done[id(m)] = m
             # _modules, not named_children(): a module held under two names is converted at both
+            changed = {}
             for child_name, child in list(m._modules.items()):
                 if child is None:
                     continue
-                new_child = convert_module(child, path(name, child_name))
+                new_child = convert_module(child, path(name, child_name), frozen=frozen)
                 if new_child is not child:
-                    setattr(m, child_name, new_child)
+                    changed[child_name] = new_child
+            if changed and frozen:
+                result = done[id(m)] = _copy_with_children(m, changed)
+            for child_name, new_child in changed.items():
+                setattr(result, child_name, new_child)
         else:
             converted.append(result)
             done[id(m)] = result

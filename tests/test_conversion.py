@@ -223,6 +223,45 @@ def test_a_module_held_twice_becomes_one_twin():
     assert model[0] is model[2] is model.extra
 
 
+def _structure(m: nn.Module) -> list[tuple[str, type, int]]:
+    return [(n, type(c), id(c)) for n, c in m.named_modules(remove_duplicate=False)]
+
+
+def test_a_converted_root_leaves_the_original_as_it_was():
+    """A supported module passed itself gets a twin; the original (and every module in it)
+    is not modified, so code that still holds it computes what it did."""
+    torch.manual_seed(0)
+    model = nn.Transformer(D, H, 2, 2, 32, batch_first=True).eval()
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
+    structure = _structure(model)
+    with torch.no_grad():
+        expected = model(src, tgt)
+    converted, skipped = fasttrans.convert(model)
+    assert skipped == [] and type(converted) is ftnn.Transformer
+    assert _structure(model) == structure
+    assert all(not type(m).__module__.startswith("fasttrans") for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), expected)
+        torch.testing.assert_close(converted(src, tgt), expected)
+    # the twin holds the same parameters; its layer lists are its own
+    assert converted.encoder.layers[1].linear1.weight is model.encoder.layers[1].linear1.weight
+    assert converted.encoder.layers is not model.encoder.layers
+    assert type(converted.encoder.layers[1]) is ftnn.TransformerEncoderLayer
+
+
+def test_modules_replaced_inside_a_model_are_not_modified():
+    """In-place conversion changes the model; a replaced torch module, which the caller may
+    still hold, keeps its own children."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoder(nn.TransformerEncoderLayer(D, H, 32, batch_first=True), 2,
+                                                enable_nested_tensor=False), nn.Linear(D, 3))
+    encoder = model[0]
+    structure = _structure(encoder)
+    fasttrans.convert(model)
+    assert type(model[0]) is ftnn.TransformerEncoder and type(model[0].layers[0]) is ftnn.TransformerEncoderLayer
+    assert _structure(encoder) == structure
+
+
 def test_pinned_backend_goes_with_copies_clones_and_pickles(seen, tmp_path):
     layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.0, batch_first=True)
     layer, _ = fasttrans.convert(layer, backend="reference")
