@@ -340,6 +340,18 @@ def test_float64_is_refused_with_a_reason():
         K.attention_fwd(q, q, q, None, None, False, 0, 0.0, 1.0, 0)
 
 
+def test_autotuning_keys_bucket_the_sequence_lengths():
+    """GPU autotuning runs once per power-of-two bucket of Lq and Lk, never per length."""
+    tuners = [*K._FWD_TUNED.values(), *K._DKDV_TUNED.values(), *K._DQ_TUNED.values()]
+    assert tuners
+    for tuner in tuners:
+        assert "LQ_BUCKET" in tuner.keys and "LK_BUCKET" in tuner.keys
+        assert not {"Lq", "Lk", "B", "H"} & set(tuner.keys), tuner.keys
+        assert all(name in tuner.arg_names for name in tuner.keys)
+    assert [K._bucket(n) for n in (0, 1, 5, 64, 65, 1000, 1024, 1025, 10**7)] == \
+        [1, 1, 8, 64, 128, 1024, 1024, 2048, 1 << 16]
+
+
 def test_interpreter_tiles_are_small_and_unequal():
     """The CPU tests rely on partial tiles and BLOCK_M != BLOCK_N for the sizes above."""
     fwd, dkdv = K.INTERPRETER_CONFIGS["fwd"].kwargs, K.INTERPRETER_CONFIGS["dkdv"].kwargs

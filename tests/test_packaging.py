@@ -67,3 +67,26 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     csrc = [ln for ln in run.stdout.splitlines() if ln.startswith("csrc:")][0].split()[1:]
     on_disk = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h"))
     assert csrc == on_disk, f"wheel ships {csrc}, the tree has {on_disk}"
+
+
+@pytest.mark.slow
+def test_build_ext_compiles_the_extension_at_install_time(tmp_path):
+    """FASTTRANS_BUILD_EXT=1 builds the extension while the package is built, into the
+    cache that first use then finds (so it loads without compiling)."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "FASTTRANS_CACHE": str(cache)}
+    env.pop("FASTTRANS_BUILD_EXT", None)
+    probe = "from fasttrans import extension; print(extension.build_info()['built'])"
+
+    def built() -> str:
+        run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert built() == "False"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+         str(ROOT)],
+        check=True, cwd=tmp_path, env={**env, "FASTTRANS_BUILD_EXT": "1"},
+    )
+    assert built() == "True"
