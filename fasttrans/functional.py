@@ -96,13 +96,15 @@ def _needs_grad(*tensors) -> bool:
 
 def _call(op, grad_inputs: tuple, *args):
     """op(*args), recording its backward when one of grad_inputs needs a gradient."""
-    if _below_autograd is None or _is_compiling():
+    # Under torch.func.vmap a batched input reports requires_grad=False even when the
+    # tensor it wraps needs a gradient: only the op's own autograd kernel sees the truth.
+    if _below_autograd is None or _is_compiling() or _functorch.maybe_current_level() is not None:
         return op(*args)
     if not _needs_grad(*grad_inputs):
         with _below_autograd():
             return op(*args)
     function = backends.eager_autograd(op)
-    if function is None or _functorch.maybe_current_level() is not None:
+    if function is None:
         return op(*args)
     return function.apply(*args)
 

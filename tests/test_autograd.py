@@ -12,10 +12,12 @@ fp64 through every mask kind, the norms and dropout.
 """
 
 import contextlib
+import sys
 import warnings
 
 import pytest
 import torch
+import torch._library.autograd as library_autograd
 import torch.nn.functional as F
 
 import fasttrans
@@ -115,12 +117,61 @@ def _graph_node(t: torch.Tensor) -> str:
     return type(t.grad_fn).__name__
 
 
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    """The type names of every node of t's backward graph."""
+    names, stack, seen = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@contextlib.contextmanager
+def _autograd_kernel_entries():
+    """Names of the functions of torch/_library/autograd.py entered inside the block: the
+    autograd kernel that register_autograd gives an op is its ``autograd_impl``."""
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == library_autograd.__file__:
+            entered.append(frame.f_code.co_name)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield entered
+    finally:
+        sys.setprofile(previous)
+
+
+def _fasttrans_ops_run(call) -> tuple:
+    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = call()
+    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
+
+
 def test_calls_without_gradients_record_no_graph_and_match():
     x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16)
     w = torch.randn(16, requires_grad=True)
-    y, h = fasttrans.add_layer_norm(x, r, w, None)
-    with torch.no_grad():
-        y0, h0 = fasttrans.add_layer_norm(x, r, w, None)
+    q = torch.randn(1, 2, 3, 8, requires_grad=True)
+    y, h = fasttrans.add_layer_norm(x, r, w, None)  # registers the ops: the spy below sees only calls
+    with _autograd_kernel_entries() as entered:
+        with torch.no_grad():
+            y0, h0 = fasttrans.add_layer_norm(x, r, w, None)
+            fasttrans.attention(q, q, q)
+            fasttrans.functional.dropout(x, 0.5)
+        fasttrans.layer_norm(x.detach(), (16,), w.detach())  # gradients enabled, none needed
+    assert "autograd_impl" not in entered, f"calls without a gradient entered the ops' autograd kernel: {entered}"
+    # the spy does see that kernel: the op itself, called through the dispatcher, enters it
+    norm_fwd = backends.ops_for(backends.select_backend("norm", "cpu", x.dtype).name)[2]
+    with _autograd_kernel_entries() as entered, torch.no_grad():
+        norm_fwd(x, None, None, None, 1e-5, False)
+    assert "autograd_impl" in entered
     assert y0.grad_fn is None and not y0.requires_grad and not h0.requires_grad
     torch.testing.assert_close(y0, y.detach())
     torch.testing.assert_close(h0, h.detach())
@@ -145,14 +196,41 @@ def test_eager_calls_with_a_gradient_apply_the_eager_function():
 def test_calls_under_vmap_keep_the_registered_op():
     x = torch.randn(4, 3, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
-    got = torch.func.vmap(lambda x: fasttrans.layer_norm(x, 16, w))(x)
-    assert _graph_node(got) != f"norm_fwd_{backends.select_backend('norm', 'cpu', x.dtype).name}_eagerBackward"
+    name = backends.select_backend("norm", "cpu", x.dtype).name
+    with _autograd_kernel_entries() as entered:
+        got, ops = _fasttrans_ops_run(lambda: torch.func.vmap(lambda x: fasttrans.layer_norm(x, 16, w))(x))
+    assert ops == {f"fasttrans::norm_fwd_{name}"}  # the kernels', not the reference's PyTorch ops
+    assert "autograd_impl" in entered  # through the op's registered autograd ...
+    nodes = _graph_nodes(got)
+    assert any(f"fasttrans_norm_fwd_{name}" in n for n in nodes), nodes  # ... which recorded the graph
+    assert f"norm_fwd_{name}_eagerBackward" not in nodes
     want = torch.nn.functional.layer_norm(x, (16,), w)
     torch.testing.assert_close(got, want)
     gx, gw = torch.autograd.grad(got.sum(), (x, w))
     wx, ww = torch.autograd.grad(want.sum(), (x, w))
     torch.testing.assert_close(gx, wx)
     torch.testing.assert_close(gw, ww)
+
+
+def test_calls_under_vmap_record_the_gradient_of_a_batched_input():
+    """Under vmap a batched input reports requires_grad=False: the call must still record its graph."""
+    x = torch.randn(4, 3, 16, requires_grad=True)  # the only input that needs a gradient
+    w = torch.randn(16)
+    got = torch.func.vmap(lambda x: fasttrans.layer_norm(x, 16, w))(x)
+    want = torch.nn.functional.layer_norm(x, (16,), w)
+    assert got.requires_grad
+    (gx,) = torch.autograd.grad((got * want.detach()).sum(), x)
+    (wx,) = torch.autograd.grad((want * want.detach()).sum(), x)
+    torch.testing.assert_close(gx, wx)
+
+    q = torch.randn(4, 1, 2, 5, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    got = torch.func.vmap(lambda q: fasttrans.attention(q, k, v))(q)
+    want = torch.func.vmap(lambda q: torch.nn.functional.scaled_dot_product_attention(q, k, v))(q)
+    assert got.requires_grad
+    (gq,) = torch.autograd.grad((got * want.detach()).sum(), q)
+    (wq,) = torch.autograd.grad((want * want.detach()).sum(), q)
+    torch.testing.assert_close(gq, wq)
 
 
 @pytest.fixture
