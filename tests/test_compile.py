@@ -17,9 +17,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fasttrans
-from fasttrans import train
+from fasttrans import backends, train
 from fasttrans.models.seq2seq import Seq2SeqConfig
 
 D, H, FF = 24, 3, 40
@@ -127,6 +128,32 @@ def test_attention_dropout_compiles_and_draws_fresh_masks():
     assert not torch.allclose(a, b)
     layer.eval()
     torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def _fasttrans_ops_run(call) -> tuple:
+    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = call()
+    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
+
+
+def test_the_backend_is_chosen_once_when_the_function_is_traced(monkeypatch):
+    """A compiled function keeps the backend chosen at trace time: FASTTRANS_BACKEND set later
+    takes effect only once dynamo traces it again."""
+    monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
+    x = torch.randn(4, 8)
+    traced = backends.select_backend("norm", "cpu", x.dtype).name
+    assert traced != "reference"
+    compiled = torch.compile(lambda x: fasttrans.layer_norm(x, (8,)), fullgraph=True, backend="eager")
+    assert _fasttrans_ops_run(lambda: compiled(x))[1] == {f"fasttrans::norm_fwd_{traced}"}
+    monkeypatch.setenv("FASTTRANS_BACKEND", "reference")
+    out, ops = _fasttrans_ops_run(lambda: compiled(x))
+    assert ops == {f"fasttrans::norm_fwd_{traced}"}
+    torch.testing.assert_close(out, F.layer_norm(x, (8,)))
+    torch._dynamo.reset()
+    out, ops = _fasttrans_ops_run(lambda: compiled(x))
+    assert ops == {"fasttrans::norm_fwd_reference"}
+    torch.testing.assert_close(out, F.layer_norm(x, (8,)))
 
 
 def test_compile_flag_in_a_fresh_process(tmp_path):

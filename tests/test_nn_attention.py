@@ -346,6 +346,30 @@ def test_mixed_mask_types_warn_like_torch():
         f(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask.isinf(), need_weights=False)
 
 
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+@pytest.mark.parametrize("empty", ["batch", "queries", "keys"])
+def test_empty_batches_and_sequences_match_torch(empty, batch_first, need_weights):
+    """An empty batch, query or key sequence: torch's output and weight shapes, outputs and
+    gradients equal to torch's; every parameter gets a gradient, zero when the output is empty."""
+    t, f = _pair(embed_dim=E, num_heads=H, batch_first=batch_first, dtype=F64)
+    n, Lq, Sk = (0 if empty == "batch" else N), (0 if empty == "queries" else L), (0 if empty == "keys" else S)
+    x, mem = _seq(n, Lq, E, batch_first), _seq(n, Sk, E, batch_first)
+
+    def call(mod, q, k, v):
+        return mod(q, k, v, need_weights=need_weights)
+
+    out, w, grads = _assert_match(t, f, (x, mem, mem), call)
+    out_t, w_t = call(t, x, mem, mem)
+    assert out.shape == out_t.shape == x.shape
+    if need_weights:
+        assert w.shape == w_t.shape == (n, Lq, Sk)
+    params = grads[-len(list(f.parameters())):]
+    assert all(g is not None for g in params)
+    if out.numel() == 0:
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in params)
+
+
 # --------------------------------------------------------------------------------------
 # fully masked query rows
 # --------------------------------------------------------------------------------------
@@ -386,6 +410,34 @@ def test_fully_masked_rows_with_weights_are_nan_like_torch():
         assert out_t.isnan().any() and w_t.isnan().any()
         torch.testing.assert_close(out_f, out_t, **TOL[F64], equal_nan=True)
         torch.testing.assert_close(w_f, w_t, **TOL[F64], equal_nan=True)
+
+
+def test_fully_masked_rows_with_weights_keep_nan_out_of_the_q_and_k_gradients():
+    """need_weights=True, backward: torch's NaN reaches the q, k and v projection gradients,
+    fasttrans's only the v projection's (the NaN is written into the weights after the
+    softmax, so no gradient flows through it to the scores); elsewhere the NaN patterns agree."""
+    attn_mask, kpm = _fully_masked_case()
+    t, f = _pair(embed_dim=E, num_heads=H, dtype=F64)
+    x, mem = _seq(N, L, E, False), _seq(N, S, E, False)
+
+    def call(mod, q, k, v):
+        return mod(q, k, v, key_padding_mask=kpm, attn_mask=attn_mask)
+
+    out_t, w_t, (dx_t, dmem_t, *_) = _run(t, (x, mem, mem), call)
+    out_f, w_f, (dx_f, dmem_f, *_) = _run(f, (x, mem, mem), call)
+    assert out_t.isnan().any() and w_t.isnan().any()
+    assert torch.equal(out_f.isnan(), out_t.isnan()) and torch.equal(w_f.isnan(), w_t.isnan())
+    for name in ("in_proj_weight", "in_proj_bias"):
+        (q_t, k_t, v_t), (q_f, k_f, v_f) = (getattr(m, name).grad.chunk(3) for m in (t, f))
+        assert q_t.isnan().any() and k_t.isnan().any() and v_t.isnan().any(), name
+        assert torch.isfinite(q_f).all() and torch.isfinite(k_f).all(), name
+        assert torch.equal(v_f.isnan(), v_t.isnan()), name
+    for name in ("weight", "bias"):
+        a, b = getattr(f.out_proj, name).grad, getattr(t.out_proj, name).grad
+        assert torch.equal(a.isnan(), b.isnan()), f"out_proj.{name}"
+    # the query reaches the loss through q alone, the memory through k and v
+    assert dx_t.isnan().any() and torch.isfinite(dx_f).all()
+    assert torch.equal(dmem_f.isnan(), dmem_t.isnan())
 
 
 # --------------------------------------------------------------------------------------

@@ -355,6 +355,33 @@ def test_fully_masked_rows_stay_finite(norm_first):
         assert all(torch.isfinite(g).all() for g in gin + [g for _, g in gp])
 
 
+EMPTY_CASES = {  # kind: the dims that can be empty (the batch, the source, the target)
+    "encoder_layer": ("batch", "source"),
+    "decoder_layer": ("batch", "source", "target"),
+    "transformer": ("batch", "source", "target"),
+}
+
+
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+@pytest.mark.parametrize("kind,empty", [(k, e) for k, dims in EMPTY_CASES.items() for e in dims],
+                         ids=[f"{k}-{e}" for k, dims in EMPTY_CASES.items() for e in dims])
+def test_empty_batches_and_sequences_match_torch(kind, empty, batch_first):
+    """An empty batch or sequence: torch's output shape (empty where torch's is), outputs and
+    gradients equal to torch's; every parameter gets a gradient, zero when the output is empty."""
+    t, f = _pair(kind, **_layer_kwargs(batch_first, False, "relu", True))
+    batch = 0 if empty == "batch" else N
+    src = _seq(0 if empty == "source" else S, batch_first, batch=batch)
+    tgt = _seq(0 if empty == "target" else T, batch_first, batch=batch)
+    tensors = {"encoder_layer": (src,), "decoder_layer": (tgt, src), "transformer": (src, tgt)}[kind]
+    out, gin, gp = _assert_match(t, f, tensors, {})
+    assert out.shape == t(*tensors).shape == tensors[-1 if kind == "transformer" else 0].shape  # the (target) input's
+    assert [g.shape for g in gin] == [x.shape for x in tensors]
+    for name, g in gp:
+        assert g is not None, name
+        if out.numel() == 0:
+            assert torch.equal(g, torch.zeros_like(g)), name
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_inference_matches_torch_fast_paths():
     """eval + no_grad: torch runs _transformer_encoder_layer_fwd and, in the encoder, nested
