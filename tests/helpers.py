@@ -134,3 +134,10 @@ def philox_keep(seed: int, p: float, numel: int, start: int = 0) -> torch.Tensor
     i = np.arange(start, start + numel, dtype=np.uint64)
     words = philox_words(seed, i >> np.uint64(2))[np.arange(numel), (i & np.uint64(3)).astype(np.int64)]
     return torch.from_numpy((words >> np.uint64(8)) >= threshold)
+
+
+def fasttrans_ops_run(call) -> tuple:
+    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = call()
+    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}

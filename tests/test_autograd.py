@@ -24,7 +24,7 @@ import fasttrans
 from fasttrans import backends
 
 from conftest import backend_params
-from helpers import make_float_mask
+from helpers import fasttrans_ops_run, make_float_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,11 +148,6 @@ def _autograd_kernel_entries():
         sys.setprofile(previous)
 
 
-def _fasttrans_ops_run(call) -> tuple:
-    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        result = call()
-    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
 
 
 def test_calls_without_gradients_record_no_graph_and_match():
@@ -198,7 +193,7 @@ def test_calls_under_vmap_keep_the_registered_op():
     w = torch.randn(16, requires_grad=True)
     name = backends.select_backend("norm", "cpu", x.dtype).name
     with _autograd_kernel_entries() as entered:
-        got, ops = _fasttrans_ops_run(lambda: torch.func.vmap(lambda x: fasttrans.layer_norm(x, 16, w))(x))
+        got, ops = fasttrans_ops_run(lambda: torch.func.vmap(lambda x: fasttrans.layer_norm(x, 16, w))(x))
     assert ops == {f"fasttrans::norm_fwd_{name}"}  # the kernels', not the reference's PyTorch ops
     assert "autograd_impl" in entered  # through the op's registered autograd ...
     nodes = _graph_nodes(got)

@@ -23,6 +23,8 @@ import fasttrans
 from fasttrans import backends, train
 from fasttrans.models.seq2seq import Seq2SeqConfig
 
+from helpers import fasttrans_ops_run
+
 D, H, FF = 24, 3, 40
 
 
@@ -130,11 +132,6 @@ def test_attention_dropout_compiles_and_draws_fresh_masks():
     torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
 
 
-def _fasttrans_ops_run(call) -> tuple:
-    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        result = call()
-    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
 
 
 def test_the_backend_is_chosen_once_when_the_function_is_traced(monkeypatch):
@@ -145,13 +142,13 @@ def test_the_backend_is_chosen_once_when_the_function_is_traced(monkeypatch):
     traced = backends.select_backend("norm", "cpu", x.dtype).name
     assert traced != "reference"
     compiled = torch.compile(lambda x: fasttrans.layer_norm(x, (8,)), fullgraph=True, backend="eager")
-    assert _fasttrans_ops_run(lambda: compiled(x))[1] == {f"fasttrans::norm_fwd_{traced}"}
+    assert fasttrans_ops_run(lambda: compiled(x))[1] == {f"fasttrans::norm_fwd_{traced}"}
     monkeypatch.setenv("FASTTRANS_BACKEND", "reference")
-    out, ops = _fasttrans_ops_run(lambda: compiled(x))
+    out, ops = fasttrans_ops_run(lambda: compiled(x))
     assert ops == {f"fasttrans::norm_fwd_{traced}"}
     torch.testing.assert_close(out, F.layer_norm(x, (8,)))
     torch._dynamo.reset()
-    out, ops = _fasttrans_ops_run(lambda: compiled(x))
+    out, ops = fasttrans_ops_run(lambda: compiled(x))
     assert ops == {"fasttrans::norm_fwd_reference"}
     torch.testing.assert_close(out, F.layer_norm(x, (8,)))
 

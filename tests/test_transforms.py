@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import fasttrans
 from fasttrans import backends, functional
 
-from helpers import make_float_mask
+from helpers import fasttrans_ops_run, make_float_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,11 +138,6 @@ def test_jvp_through_an_encoder_layer_agrees_with_its_backward():
     torch.testing.assert_close((g * tan).sum(), (gx * t).sum(), rtol=1e-10, atol=1e-10)
 
 
-def _fasttrans_ops_run(call) -> tuple:
-    """call()'s result and the names of the fasttrans:: ops it ran (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        result = call()
-    return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
 
 
 def test_vmap_alone_keeps_the_kernels_and_matches():
@@ -152,10 +147,10 @@ def test_vmap_alone_keeps_the_kernels_and_matches():
     norm = backends.select_backend("norm", "cpu", x.dtype).name
     attention = backends.select_backend("attention", "cpu", q.dtype).name
     assert "reference" not in (norm, attention)
-    got, ops = _fasttrans_ops_run(lambda: torch.func.vmap(lambda x: fasttrans.layer_norm(x, (8,), w, b))(x))
+    got, ops = fasttrans_ops_run(lambda: torch.func.vmap(lambda x: fasttrans.layer_norm(x, (8,), w, b))(x))
     torch.testing.assert_close(got, F.layer_norm(x, (8,), w, b))
     assert ops == {f"fasttrans::norm_fwd_{norm}"}  # the kernels' op, not the reference's PyTorch ops
-    got, ops = _fasttrans_ops_run(lambda: torch.func.vmap(lambda q: fasttrans.attention(q, q, q, is_causal=True))(q))
+    got, ops = fasttrans_ops_run(lambda: torch.func.vmap(lambda q: fasttrans.attention(q, q, q, is_causal=True))(q))
     want = torch.stack([F.scaled_dot_product_attention(t, t, t, is_causal=True) for t in q])
     torch.testing.assert_close(got, want)
     assert ops == {f"fasttrans::attention_fwd_{attention}"}
