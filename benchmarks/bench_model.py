@@ -14,6 +14,10 @@ Sweeps (select with --sweep):
               tokens for 8: torch.nn (which has no KV cache: the whole prefix is re-decoded at
               every step), fasttrans without and with its KV cache.
               tokens/s = batch * new tokens / time.
+    infer     the digits-average model's forward in eval mode without gradients (logits for
+              a source and a decoder input), from one short sequence to the training batch:
+              torch.nn takes its inference fast path here (the fused encoder layer),
+              fasttrans its usual kernels. tokens/s = batch * (source + decoder input) / time.
     train     (CUDA only) a base-size model: d_model 512, 8 heads, 6+6 layers, FFN 2048,
               batch 32, 128 + 128 tokens.
 Every model runs in float32 (the optimizer's state and the weights in one precision; --dtype
@@ -151,6 +155,39 @@ def decode_run(model, inp, backend: str | None, new_tokens: int, use_cache: bool
     return run
 
 
+def infer_run(model, inp, backend: str | None, forward=None):
+    """The logits of every source and decoder input, in eval mode without gradients."""
+    forward = model if forward is None else forward
+    model.eval()
+
+    def run():
+        with torch.no_grad(), common.backend_context(backend):
+            return forward(inp.src, inp.tgt_in)
+
+    return run
+
+
+def infer_entries(bench: common.Bench) -> list[Entry]:
+    entries = []
+    for p in bench.providers(None):
+        if p.backend is not None:
+            def make(inp, backend=p.backend):
+                model = copy.deepcopy(inp.model)
+                check_same_function(model, inp.twin, inp, backend)
+                return infer_run(model, inp, backend)
+
+            entries.append(Entry(p, make))
+        elif p.name == "torch":
+            entries.append(Entry(p, lambda inp: infer_run(copy.deepcopy(inp.twin), inp, None)))
+        elif p.name == "torch-compile":
+            def make_compiled(inp):
+                twin = copy.deepcopy(inp.twin).eval()
+                return infer_run(twin, inp, None, forward=common.fresh_compile(twin))
+
+            entries.append(Entry(p, make_compiled))
+    return entries
+
+
 def train_entries(bench: common.Bench) -> list[Entry]:
     entries = []
     for p in bench.providers(None):
@@ -224,6 +261,15 @@ def configs(bench: common.Bench):
             entries=decode_entries(bench, new_tokens), work=float(decode_batch * new_tokens), work_unit="token",
             measure="time+memory", baseline=("torch", "no-cache"),
         )
+    shapes = ((1, 8, 4),) if bench.quick else ((1, 8, 4), (1, 32, 9), (1, 91, 9), (8, 91, 9), (64, 91, 9))
+    for batch, src_len, tgt_len in shapes:
+        yield Config(
+            sweep="infer", case=f"inference forward, batch {batch}, source {src_len}", op="seq2seq", mode="infer",
+            dtype=fp32, params=_params(DIGITS_MODEL, batch, src_len, tgt_len),
+            inputs=model_inputs(DIGITS_MODEL, batch, src_len, tgt_len, bench.device, fp32),
+            entries=infer_entries(bench), work=float(batch * (src_len + tgt_len)), work_unit="token",
+            measure="time+memory",
+        )
     if bench.device == "cuda" and not bench.quick:
         batch, length = 32, 128
         yield Config(
@@ -251,11 +297,13 @@ def main(argv=None) -> int:
 
     train = [r for r in bench.results if r.config.mode == "train step"]
     decode = [r for r in bench.results if r.config.sweep == "decode"]
+    infer = [r for r in bench.results if r.config.sweep == "infer"]
     bench.plot_bars("model", [
         ("training step throughput (source + decoder-input tokens per second)", train, "throughput"),
         ("greedy decoding throughput (generated tokens per second)", decode, "throughput"),
-        ("speedup vs torch.nn (median / median, interleaved in one run)", train + decode, "speedup"),
-        ("peak memory of one call above what was live before it", train + decode, "memory"),
+        ("inference forward throughput (source + decoder-input tokens per second)", infer, "throughput"),
+        ("speedup vs torch.nn (median / median, interleaved in one run)", train + decode + infer, "speedup"),
+        ("peak memory of one call above what was live before it", train + decode + infer, "memory"),
     ], title="seq2seq model: fasttrans.nn vs torch.nn, same weights")
     bench.headline_table()
     return bench.finish()

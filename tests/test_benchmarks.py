@@ -208,6 +208,8 @@ def test_goal_configurations_are_in_the_default_cpu_sweep(capsys):
     assert any(line.startswith("[model headline") and line.endswith(
         "] seq2seq train step float32 model=digits d_model=256 heads=4 layers=3+3 ffn=512 batch=64 src=91 tgt=9")
         for line in lines), lines
+    infer = [line.split("batch=")[1] for line in lines if line.startswith("[model infer")]
+    assert infer == ["1 src=8 tgt=4", "1 src=32 tgt=9", "1 src=91 tgt=9", "8 src=91 tgt=9", "64 src=91 tgt=9"]
 
 
 def test_filters_select_configurations_in_every_sweep(capsys):
