@@ -167,46 +167,36 @@ def infer_run(model, inp, backend: str | None, forward=None):
     return run
 
 
-def infer_entries(bench: common.Bench) -> list[Entry]:
+def _entries(bench: common.Bench, timed) -> list[Entry]:
+    """One entry per provider of ``timed(model, inp, backend, forward=None)``: each fasttrans
+    backend on a copy of the model (checked against the twin first), torch on a copy of the
+    twin, torch-compile on a compiled copy of the twin."""
     entries = []
     for p in bench.providers(None):
         if p.backend is not None:
             def make(inp, backend=p.backend):
                 model = copy.deepcopy(inp.model)
                 check_same_function(model, inp.twin, inp, backend)
-                return infer_run(model, inp, backend)
+                return timed(model, inp, backend)
 
             entries.append(Entry(p, make))
         elif p.name == "torch":
-            entries.append(Entry(p, lambda inp: infer_run(copy.deepcopy(inp.twin), inp, None)))
-        elif p.name == "torch-compile":
-            def make_compiled(inp):
-                twin = copy.deepcopy(inp.twin).eval()
-                return infer_run(twin, inp, None, forward=common.fresh_compile(twin))
-
-            entries.append(Entry(p, make_compiled))
-    return entries
-
-
-def train_entries(bench: common.Bench) -> list[Entry]:
-    entries = []
-    for p in bench.providers(None):
-        if p.backend is not None:
-            def make(inp, backend=p.backend):
-                model = copy.deepcopy(inp.model)
-                check_same_function(model, inp.twin, inp, backend)
-                return train_step(model, inp, backend)
-
-            entries.append(Entry(p, make))
-        elif p.name == "torch":
-            entries.append(Entry(p, lambda inp: train_step(copy.deepcopy(inp.twin), inp, None)))
+            entries.append(Entry(p, lambda inp: timed(copy.deepcopy(inp.twin), inp, None)))
         elif p.name == "torch-compile":
             def make_compiled(inp):
                 twin = copy.deepcopy(inp.twin)
-                return train_step(twin, inp, None, forward=common.fresh_compile(twin))
+                return timed(twin, inp, None, forward=common.fresh_compile(twin))
 
             entries.append(Entry(p, make_compiled))
     return entries
+
+
+def infer_entries(bench: common.Bench) -> list[Entry]:
+    return _entries(bench, infer_run)
+
+
+def train_entries(bench: common.Bench) -> list[Entry]:
+    return _entries(bench, train_step)
 
 
 def decode_entries(bench: common.Bench, new_tokens: int) -> list[Entry]:
