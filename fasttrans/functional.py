@@ -391,13 +391,13 @@ def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_ma
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _check_layer_norm_param_dtypes(x, weight, bias) -> None:
+def _check_layer_norm_param_dtypes(x, weight, bias, x_name: str = "x") -> None:
     """The dtypes F.layer_norm accepts: parameters in x's dtype, or float32 ones with a
     float16/bfloat16 x (mixed precision), weight and bias alike."""
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _LOW_PRECISION):
             allowed = f"{x.dtype}{' or torch.float32' if x.dtype in _LOW_PRECISION else ''}"
-            raise DTypeError(f"{name}: expected dtype {allowed} (from x), got {p.dtype}")
+            raise DTypeError(f"{name}: expected dtype {allowed} (from {x_name}), got {p.dtype}")
     if weight is not None and bias is not None and weight.dtype != bias.dtype:
         raise DTypeError(f"bias: expected the dtype of weight ({weight.dtype}), got {bias.dtype}")
 

@@ -19,24 +19,11 @@ from .. import functional as FT
 
 __all__ = ["LayerNorm", "RMSNorm", "check_layer_norm_dtypes"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
 def check_layer_norm_dtypes(x: Tensor, weight: Tensor | None, bias: Tensor | None, name: str = "input") -> None:
-    """Raise where ``F.layer_norm`` raises on mixed dtypes (RuntimeError).
-
-    torch accepts parameters in the input's dtype, or fp32 parameters with an fp16/bf16
-    input (mixed precision); ``fasttrans.layer_norm`` would silently cast anything else.
-    """
-    for pname, p in (("weight", weight), ("bias", bias)):
-        if p is None or p.dtype == x.dtype:
-            continue
-        if p.dtype == torch.float32 and x.dtype in _LOW_PRECISION:
-            continue
-        raise RuntimeError(
-            f"{name}: expected dtype {p.dtype} (the dtype of the LayerNorm {pname})"
-            f"{' or float16/bfloat16' if p.dtype == torch.float32 else ''}, got {x.dtype}"
-        )
+    """Raise where ``F.layer_norm`` raises on mixed dtypes (a RuntimeError): parameters in
+    the input's dtype, or float32 ones with a float16/bfloat16 input (mixed precision).
+    ``fasttrans.layer_norm`` and ``add_layer_norm`` apply the same rule themselves."""
+    FT._check_layer_norm_param_dtypes(x, weight, bias, name)
 
 
 def _shape(normalized_shape) -> tuple[int, ...]:
@@ -98,7 +85,6 @@ class LayerNorm(Module):
 
     @backends.pinnable
     def forward(self, input: Tensor) -> Tensor:
-        check_layer_norm_dtypes(input, self.weight, self.bias)
         if isinstance(input, Tensor) and not input.is_floating_point():
             # torch's kernel dispatch raises NotImplementedError for integer inputs
             raise NotImplementedError(f"input: LayerNorm expects a floating-point tensor, got {input.dtype}")

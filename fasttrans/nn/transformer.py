@@ -39,7 +39,7 @@ from .. import functional as FT
 from . import _masks
 from .attention import MultiheadAttention
 from .dropout import Dropout
-from .normalization import LayerNorm, check_layer_norm_dtypes
+from .normalization import LayerNorm
 
 __all__ = [
     "Transformer",
@@ -104,7 +104,6 @@ def _add_norm(norm: Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor
         and x.dtype == residual.dtype
         and not _has_hooks(norm)
     ):
-        check_layer_norm_dtypes(x, norm.weight, norm.bias)
         return FT.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
     h = residual + x
     return norm(h), h
