@@ -101,15 +101,14 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
             setattr(new, attr, old.__dict__[attr])
 
 
-def _copy_with_children(m: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
-    """A shallow copy of ``m`` (same tensors, hooks and attributes, its own registries),
-    whose children ``children`` replace m's of the same names; ``m`` is not modified."""
+def _shallow_copy(m: nn.Module) -> nn.Module:
+    """A copy of ``m`` with the same tensors, children, hooks and attributes in registries
+    of its own: setting a child of the copy leaves ``m`` as it is."""
     new = copy.copy(m)
     for attr in ("_parameters", "_buffers", "_modules", *_HOOK_ATTRS):
         if isinstance(m.__dict__.get(attr), dict):
             new.__dict__[attr] = m.__dict__[attr].copy()
     new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
-    new._modules.update(children)
     return new
 
 
@@ -139,8 +138,9 @@ def convert(
         (converted model, skipped) where skipped lists ``(qualified name, reason)`` for the
         modules that were left as they are. The converted model is ``model`` itself
         (converted in place) unless ``model`` is one of the supported modules: then it is
-        ``model``'s twin, holding the same parameters, and ``model`` is left as it was. A model with nothing left to convert
-        (for example an already converted one) is returned unchanged with no skips.
+        ``model``'s twin, holding the same parameters, and ``model`` is left as it was. A
+        model with nothing left to convert (for example an already converted one) is
+        returned unchanged with no skips.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -211,7 +211,7 @@ def convert(
                 if new_child is not child:
                     changed[child_name] = new_child
             if changed and frozen:
-                result = done[id(m)] = _copy_with_children(m, changed)
+                result = done[id(m)] = _shallow_copy(m)
             for child_name, new_child in changed.items():
                 setattr(result, child_name, new_child)
         else:
