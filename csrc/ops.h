@@ -34,6 +34,9 @@ namespace fasttrans {
 
 namespace cpu {
 FASTTRANS_DECLARE_OPS
+// mask translation helpers (masks_cpu.cpp): CPU only
+at::Tensor padding_key_lengths(const at::Tensor& key_padding_mask);
+bool is_causal_mask(const at::Tensor& mask);
 }  // namespace cpu
 
 namespace cuda {

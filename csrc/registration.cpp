@@ -24,6 +24,9 @@ TORCH_LIBRARY(fasttrans, m) {
       "Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)");
   m.def("dropout_fwd_extension(Tensor x, float p, SymInt seed) -> (Tensor, Tensor)");
   m.def("dropout_bwd_extension(Tensor dy, Tensor keep, float p) -> Tensor");
+  // fasttrans.nn's mask translation helpers (masks_cpu.cpp), for CPU masks
+  m.def("padding_key_lengths(Tensor key_padding_mask) -> Tensor");
+  m.def("is_causal_mask(Tensor mask) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
@@ -34,4 +37,6 @@ TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
   m.impl("norm_bwd_extension", &fasttrans::cpu::norm_bwd);
   m.impl("dropout_fwd_extension", &fasttrans::cpu::dropout_fwd);
   m.impl("dropout_bwd_extension", &fasttrans::cpu::dropout_bwd);
+  m.impl("padding_key_lengths", &fasttrans::cpu::padding_key_lengths);
+  m.impl("is_causal_mask", &fasttrans::cpu::is_causal_mask);
 }

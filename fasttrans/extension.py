@@ -48,7 +48,7 @@ from . import __version__
 __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
 
 _NAME = "fasttrans_ext"
-_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp")
+_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp", "masks_cpu.cpp")
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -58,6 +58,8 @@ _OPS = (
     "norm_bwd_extension",
     "dropout_fwd_extension",
     "dropout_bwd_extension",
+    "padding_key_lengths",
+    "is_causal_mask",
 )
 
 
@@ -387,7 +389,7 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
     Raises ExtensionBuildError with the reason when the extension cannot be built or
     loaded. The outcome is remembered for the process: a failed build is not retried.
     """
-    global _impl, _error
+    global _impl, _error, _mask_helpers
     with _lock:
         if _impl is not None:
             return _impl
@@ -417,7 +419,19 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
             raise ExtensionBuildError(_error) from e
         _register_debug_fake()
         _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason)
+        _mask_helpers = (torch.ops.fasttrans.padding_key_lengths.default, torch.ops.fasttrans.is_causal_mask.default)
         return _impl
+
+
+_mask_helpers: tuple | None = None
+
+
+def mask_helpers() -> tuple | None:
+    """(padding_key_lengths, is_causal_mask): the ops that answer fasttrans.nn's questions
+    about a CPU mask's values in one pass (csrc/masks_cpu.cpp), once the extension is loaded
+    in this process; None before. Never starts a build. Eager only: they have no fake
+    implementation (the mask translation does not inspect values while compiling)."""
+    return _mask_helpers
 
 
 def _ops_defined() -> bool:

@@ -539,6 +539,110 @@ def test_translate_forms():
     assert not m.is_causal and m.attn_mask is not None
 
 
+def _torch_ops_answer(monkeypatch, fn, *args):
+    """fn(*args) answered by the PyTorch ops, as in a process without the extension."""
+    with monkeypatch.context() as m:
+        m.setattr(fasttrans.extension, "_mask_helpers", None)
+        return fn(*args)
+
+
+def _padding_masks():
+    g = torch.Generator().manual_seed(0)
+    for n, s in ((3, 7), (1, 1), (4, 0), (0, 5), (2, 300)):
+        lengths = torch.randint(0, s + 1, (n,), generator=g).tolist()
+        right = _right_padded(lengths, s)
+        yield right
+        yield right.t().contiguous().t()  # the same values, column-major
+        yield torch.cat([right, ~right], dim=1)[:, ::2]  # a strided view
+        if n and s:
+            for _ in range(3):  # one flipped entry: right-padded only by chance
+                wrong = right.clone()
+                wrong[torch.randint(0, n, (1,), generator=g), torch.randint(0, s, (1,), generator=g)] ^= True
+                yield wrong
+    yield torch.zeros(1, 4, dtype=torch.bool).expand(3, 4)  # stride 0 rows
+    yield torch.tensor([[True, False, True, True]])  # padding before a key
+
+
+def test_right_padding_check_of_the_extension_agrees_with_torch_ops(ext, monkeypatch):
+    """The extension's one-pass answer (CPU masks) equals the PyTorch ops' answer, mask by mask."""
+    assert fasttrans.extension.mask_helpers() is not None
+    seen = set()
+    for kpm in _padding_masks():
+        fast = _masks.right_padded_lengths(kpm)
+        slow = _torch_ops_answer(monkeypatch, _masks.right_padded_lengths, kpm)
+        assert (fast is None) == (slow is None), kpm
+        seen.add(fast is None)
+        if fast is not None:
+            assert fast.dtype == slow.dtype == torch.int32 and torch.equal(fast, slow)
+    assert seen == {True, False}
+
+
+def _causal_masks():
+    for l_, s_ in ((5, 5), (5, 7), (7, 5), (1, 1), (0, 3)):
+        upper = torch.ones(l_, s_, dtype=torch.bool).triu(1)
+        yield upper, l_, s_
+        yield upper.expand(N * H, l_, s_), l_, s_  # (N*H, L, S) with stride 0
+        yield upper.t().contiguous().t(), l_, s_
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            f = torch.zeros(l_, s_, dtype=dtype).masked_fill(upper, float("-inf"))
+            yield f, l_, s_
+            yield -f * 0.0 + f, l_, s_  # -0.0 on and below the diagonal: still causal for torch.equal
+            if l_ > 1 and s_ > 1:
+                for i, j, value in ((0, 1, -1e4), (1, 0, float("-inf")), (1, 1, float("nan")), (0, 0, 1.0)):
+                    bad = f.clone()
+                    bad[i, j] = value
+                    yield bad, l_, s_
+        if l_ > 1 and s_ > 1:
+            lower = upper.clone()
+            lower[-1, 0] = True  # one entry below the diagonal
+            yield lower, l_, s_
+            yield torch.stack([upper, lower]), l_, s_  # causal in one batch entry only
+    yield torch.ones(3, 3, dtype=torch.bool).triu(1)[None, None], 3, 3  # 4-D
+    # leading dims that do not merge into a view, (L, S) dims with swapped strides: the
+    # inspection reads a copy, whose strides are its own
+    lower = torch.ones(4, 4, dtype=torch.bool).tril(-1).expand(2, 3, 4, 4).contiguous()
+    scrambled = lower.permute(1, 0, 3, 2)  # (3, 2, 4, 4), the causal pattern, strides (16, 48, 1, 4)
+    assert not scrambled.is_contiguous() and scrambled.stride(-1) != 1
+    yield scrambled, 4, 4
+    off = scrambled.clone()
+    off[2, 1, 3, 0] = True
+    yield off, 4, 4
+    yield torch.ones(3, 4, dtype=torch.bool).triu(1), 3, 3  # the wrong shape
+
+
+def test_causal_check_of_the_extension_agrees_with_torch_ops(ext, monkeypatch):
+    assert fasttrans.extension.mask_helpers() is not None
+    seen = set()
+    for mask, l_, s_ in _causal_masks():
+        fast = _masks.is_causal_mask(mask, l_, s_)
+        assert fast == _torch_ops_answer(monkeypatch, _masks.is_causal_mask, mask, l_, s_), (mask, l_, s_)
+        seen.add(fast)
+    assert seen == {True, False}
+
+
+class _MaskSubclass(torch.Tensor):
+    pass
+
+
+def test_mask_helpers_are_left_to_torch_ops_where_they_cannot_answer(ext, monkeypatch):
+    """Masks that need a gradient and tensor subclasses are inspected by the PyTorch ops; so
+    are the masks of a process that has not loaded the extension."""
+    calls = []
+    spies = tuple((lambda op: (lambda *a: calls.append(op) or op(*a)))(op) for op in fasttrans.extension.mask_helpers())
+    monkeypatch.setattr(fasttrans.extension, "_mask_helpers", spies)
+    causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+    kpm = _right_padded([4, 2], 4)
+    assert _masks.is_causal_mask(causal, 4, 4) and _masks.right_padded_lengths(kpm).tolist() == [4, 2]
+    assert len(calls) == 2
+    assert _masks.is_causal_mask(causal.clone().requires_grad_(), 4, 4)
+    assert _masks.is_causal_mask(causal.as_subclass(_MaskSubclass), 4, 4)
+    assert _masks.right_padded_lengths(kpm.as_subclass(_MaskSubclass)).tolist() == [4, 2]
+    assert len(calls) == 2
+    monkeypatch.setattr(fasttrans.extension, "_mask_helpers", None)
+    assert _masks.right_padded_lengths(kpm).tolist() == [4, 2] and _masks.is_causal_mask(causal, 4, 4)
+    assert len(calls) == 2
+
+
 def test_translate_while_compiling_uses_dense_masks(monkeypatch):
     """No value inspection (causal detection, right-padding check) while compiling."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -553,13 +657,14 @@ def test_translate_while_compiling_uses_dense_masks(monkeypatch):
 def test_module_hands_fast_forms_to_the_op(monkeypatch):
     """A causal mask and a right-padded key_padding_mask reach fasttrans.attention as is_causal / key_lengths."""
     calls = []
-    real = fasttrans.nn.attention.FT.attention
+    real = fasttrans.nn.attention.FT._attention  # fasttrans.attention without its argument checks
+    names = ("q", "k", "v", "attn_mask", "key_lengths", "is_causal", "causal_offset", "dropout_p", "scale")
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+    def spy(*args):
+        calls.append(dict(zip(names, args)))
+        return real(*args)
 
-    monkeypatch.setattr(fasttrans.nn.attention.FT, "attention", spy)
+    monkeypatch.setattr(fasttrans.nn.attention.FT, "_attention", spy)
     f = fnn.MultiheadAttention(E, H, dtype=F64)
     x = _seq(N, L, E, False)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
@@ -673,3 +778,19 @@ def test_constructor_errors_have_torch_types(args):
         torch.nn.MultiheadAttention(*args)
     with pytest.raises(t_err.type, match="embed_dim"):
         fnn.MultiheadAttention(*args)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_a_dropout_probability_out_of_range_fails_in_training_as_in_torch(need_weights):
+    """torch raises a RuntimeError (SDPA) or a ValueError (F.dropout, with weights); fasttrans's
+    error is both, with the same message."""
+    x = torch.randn(L, N, E)
+    errors = []
+    for cls in (torch.nn.MultiheadAttention, fnn.MultiheadAttention):
+        m = cls(E, H, dropout=1.5)
+        with pytest.raises((ValueError, RuntimeError), match="dropout probability has to be between 0 and 1, "
+                                                              "but got 1.5") as err:
+            m(x, x, x, need_weights=need_weights)
+        errors.append(err.value)
+        assert m.eval()(x, x, x, need_weights=need_weights)[0].shape == (L, N, E)  # unused in eval mode
+    assert isinstance(errors[1], type(errors[0]))

@@ -35,6 +35,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .. import extension
+
 __all__ = [
     "OpMasks",
     "check_mask_dtype",
@@ -43,6 +45,7 @@ __all__ = [
     "causal_pattern",
     "is_causal_mask",
     "detect_is_causal_mask",
+    "right_padded_lengths",
     "translate",
 ]
 
@@ -133,6 +136,9 @@ def is_causal_mask(mask: Tensor, L: int, S: int) -> bool:
     """
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (L, S):
         return False
+    helpers = _cpu_helpers(mask)
+    if helpers is not None:
+        return helpers[1](mask)
     upper = causal_pattern(L, S, mask.device)
     if mask.dtype == torch.bool:
         return torch.equal(mask, upper.expand_as(mask))
@@ -154,10 +160,26 @@ def detect_is_causal_mask(mask: Tensor | None, is_causal: bool | None, size: int
     return tuple(mask.shape) == (sz, sz) and is_causal_mask(mask, sz, sz)
 
 
-def _right_padded_lengths(key_padding_mask: Tensor) -> Tensor | None:
-    """Key lengths (N,) if every row of a bool (N, S) padding mask is F..F T..T, else None."""
+def _cpu_helpers(mask: Tensor) -> tuple | None:
+    """The extension's one-pass answers for a plain CPU tensor in eager mode, when the
+    extension is loaded (fasttrans.extension.mask_helpers); None where the PyTorch ops
+    below must answer: other devices, tensors under a torch.func transform or that need a
+    gradient, and processes that have not loaded the extension."""
+    helpers = extension.mask_helpers()
+    if (helpers is None or type(mask) is not torch.Tensor or mask.device.type != "cpu" or mask.requires_grad
+            or torch._C._functorch.maybe_current_level() is not None):
+        return None
+    return helpers
+
+
+def right_padded_lengths(key_padding_mask: Tensor) -> Tensor | None:
+    """Key lengths (N,) int32 if every row of a bool (N, S) padding mask is F..F T..T, else None."""
+    helpers = _cpu_helpers(key_padding_mask)
+    if helpers is not None:
+        lengths = helpers[0](key_padding_mask)  # empty when some row is not right-padded
+        return lengths if lengths.shape[0] == key_padding_mask.shape[0] else None
     S = key_padding_mask.shape[-1]
-    lengths = (~key_padding_mask).sum(-1)  # (N,)
+    lengths = (~key_padding_mask).sum(-1, dtype=torch.int32)  # (N,), the dtype the ops take
     positions = torch.arange(S, device=key_padding_mask.device)
     if torch.equal(positions >= lengths[:, None], key_padding_mask):
         return lengths
@@ -235,7 +257,7 @@ def translate(
         kpm = key_padding_mask
         lengths = None
         if kpm.dtype == torch.bool and extra_keys == 0 and not compiling:
-            lengths = _right_padded_lengths(kpm)
+            lengths = right_padded_lengths(kpm)
         if lengths is not None:
             out.key_lengths = lengths
         else:
