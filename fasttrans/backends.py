@@ -205,15 +205,18 @@ class _ReferenceImpl:
 # --------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------
-# Automatic selections are memoised per (op, device, dtype): every fasttrans call selects a
-# backend, and the checks behind a selection (device, implementation, dtype) cost a few
-# microseconds of Python per call. Anything that changes what they would answer (a backend
-# replaced in BACKENDS, a Backend's attribute set, a load attempted) clears the memo.
+# Selections are memoised per (op, device, dtype), forced ones per forced backend as well:
+# every fasttrans call selects a backend, and the checks behind a selection (device,
+# implementation, dtype) cost a few microseconds of Python per call. Anything that changes
+# what they would answer (a backend replaced in BACKENDS, a Backend's attribute set, a load
+# attempted) clears the memos.
 _auto_selection: dict[tuple, "Backend"] = {}
+_forced_selection: dict[tuple, "Backend"] = {}  # forced backends that passed their checks
 
 
 def _backends_changed() -> None:
     _auto_selection.clear()
+    _forced_selection.clear()
 
 
 def reference_impl():
@@ -468,11 +471,18 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
     the best available. A forced backend that cannot run ``op`` on ``device``, or has no
     kernels for ``dtype`` there, raises BackendUnavailableError saying why."""
     forced = current_forced_backend()
-    if forced is not None:  # checked on every call: its checks may read the environment
-        backend = BACKENDS[forced]
-        why = backend.unavailable_reason(device, op) or backend.dtype_reason(device, dtype)
-        if why is not None:
-            raise BackendUnavailableError(f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
+    if forced is not None:
+        # Checked again whenever the environment its checks read changes: the one variable
+        # they read (TRITON_INTERPRET) is part of the memo key; a failure is never memoised.
+        key = (forced, op, device, dtype, os.environ.get("TRITON_INTERPRET"))
+        backend = _forced_selection.get(key)
+        if backend is None:
+            backend = BACKENDS[forced]
+            why = backend.unavailable_reason(device, op) or backend.dtype_reason(device, dtype)
+            if why is not None:
+                raise BackendUnavailableError(
+                    f"backend '{forced}' was requested for {op} on {device} but cannot run: {why}")
+            _forced_selection[key] = backend
         return backend
     key = (op, device, dtype)
     backend = _auto_selection.get(key)

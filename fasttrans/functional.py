@@ -164,7 +164,10 @@ def _on_reference_for_head_dim(D: int) -> bool:
 
 
 def _ops(op: str, device: torch.device, dtype: torch.dtype):
-    name = _selected_backend(op, str(device), dtype)
+    if _is_compiling():
+        name = _selected_backend(op, str(device), dtype)
+    else:  # the same memoised selection, without the trace-time wrapper
+        name = backends.select_backend(op, str(device), dtype).name
     return name, backends.ops_for(name)
 
 
@@ -178,26 +181,33 @@ def _draw_seed(dropout_p: float) -> int:
 # --------------------------------------------------------------------------------------
 # attention
 # --------------------------------------------------------------------------------------
+def _common_attention_args(q, k, v, is_causal, causal_offset, dropout_p, scale) -> bool:
+    """Whether q, k, v and the scalars are the common, valid case (strided 4-D float tensors
+    of one dtype and device with matching shapes, plain bool/int/float scalars in range).
+    Like :func:`_common_norm_args` it vouches only for what it checks; anything else takes
+    the detailed checks, which say which argument is wrong."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    if not (q.layout == torch.strided and k.layout == torch.strided and v.layout == torch.strided
+            and q.dim() == 4 and k.dim() == 4):
+        return False
+    dtype, device = q.dtype, q.device
+    if dtype not in _FLOAT_DTYPES or k.dtype != dtype or v.dtype != dtype or k.device != device or v.device != device:
+        return False
+    B, H, _, D = q.shape
+    kshape = k.shape
+    if v.shape != kshape or kshape[0] != B or kshape[3] != D or D < 1 or kshape[1] == 0 or H % kshape[1] != 0:
+        return False
+    return (type(is_causal) is bool and type(causal_offset) is int and type(dropout_p) in (float, int)
+            and 0.0 <= dropout_p <= 1.0 and (scale is None or (type(scale) in (float, int) and math.isfinite(scale))))
+
+
 def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 4)
-        _check_float(name, t)
-    B, H, Lq, D = q.shape
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise DTypeError(f"k, v: expected the dtype of q ({q.dtype}), got k {k.dtype} and v {v.dtype}")
-    _check_device("k", k, q.device)
-    _check_device("v", v, q.device)
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ShapeError(f"k, v: expected batch size {B} (from q), got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    Hkv, Lk = k.shape[1], k.shape[2]
-    if tuple(v.shape) != tuple(k.shape):
-        raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[3] != D:
-        raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
-    if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):  # no heads at all (H = Hkv = 0) is empty
-        raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
-    if D < 1:
-        raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
+    if not _common_attention_args(q, k, v, is_causal, causal_offset, dropout_p, scale):
+        _validate_attention_operands(q, k, v)
+        _validate_attention_scalars(is_causal, causal_offset, dropout_p, scale)
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
@@ -216,10 +226,38 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
         if key_lengths.device.type != "cpu":
             _check_device("key_lengths", key_lengths, q.device)
         if not _is_compiling() and B > 0:
-            # one host sync for both bounds (key_lengths may live on the GPU)
-            lo, hi = (int(t) for t in torch.stack(torch.aminmax(key_lengths)).tolist())
+            if key_lengths.device.type == "cpu" and B <= 64:  # a few values: read them (1 us, not 3)
+                values = key_lengths.tolist()
+                lo, hi = min(values), max(values)
+            else:  # one host sync for both bounds (key_lengths may live on the GPU)
+                lo, hi = (int(t) for t in torch.stack(torch.aminmax(key_lengths)).tolist())
             if lo < 0 or hi > Lk:
                 raise ShapeError(f"key_lengths: expected values in [0, {Lk}] (the key length), got [{lo}, {hi}]")
+
+
+def _validate_attention_operands(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+        _check_float(name, t)
+    B, H, _, D = q.shape
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"k, v: expected the dtype of q ({q.dtype}), got k {k.dtype} and v {v.dtype}")
+    _check_device("k", k, q.device)
+    _check_device("v", v, q.device)
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ShapeError(f"k, v: expected batch size {B} (from q), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if tuple(v.shape) != tuple(k.shape):
+        raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
+    if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):  # no heads at all (H = Hkv = 0) is empty
+        raise ShapeError(f"k: number of kv heads ({Hkv}) must divide the number of query heads ({H})")
+    if D < 1:
+        raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
+
+
+def _validate_attention_scalars(is_causal, causal_offset, dropout_p, scale) -> None:
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
@@ -246,7 +284,8 @@ def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
             attn_mask = attn_mask.to(q.dtype)
         # a view with stride 0 on broadcast dims: never materialised
         attn_mask = attn_mask.expand(B, H, Lq, Lk)
-    if key_lengths is not None:
+    if key_lengths is not None and (key_lengths.dtype != torch.int32 or key_lengths.device != q.device
+                                    or not key_lengths.is_contiguous()):
         # contiguous: an int32 view (a column of a table, an expanded scalar) keeps its strides through .to
         key_lengths = key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -282,9 +321,14 @@ def attention(
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+    return _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+
+
+def _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
+    """:func:`attention` on arguments that are valid by construction (fasttrans.nn builds
+    them after its own checks), without the checks that would cost every call again."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
-        return attention(q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
-                         causal_offset=causal_offset, scale=scale) * 0.0
+        return _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
     causal_offset = _causal_offset(causal_offset, q, k)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     # empty outputs (no batch, head or query) need no kernel; the reference's PyTorch ops
@@ -357,7 +401,57 @@ def _normalized_shape(normalized_shape) -> tuple[int, ...]:
     raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}")
 
 
-def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_may_be_none=False):
+def _single_dim(normalized_shape) -> int | None:
+    """normalized_shape's one size when it names a single (last) dim, else None."""
+    if type(normalized_shape) is int:
+        return normalized_shape
+    if type(normalized_shape) in (tuple, list, torch.Size) and len(normalized_shape) == 1:
+        n = normalized_shape[0]
+        return n if type(n) is int else None
+    return None
+
+
+def _common_norm_args(x, n, weight, bias, eps, residual) -> bool:
+    """Whether the arguments are the common, valid case: a strided float x whose last dim is
+    n, 1-D (n,) weight/bias on x's device in x's dtype (or float32 with a float16/bfloat16
+    x), a residual like x and a float eps. It vouches only for what it checks: anything else
+    takes the detailed checks (:func:`_validate_norm_in_detail`), which say which argument is wrong.
+    Those cost several microseconds, as much as normalising a short row."""
+    if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dtype in _FLOAT_DTYPES
+            and x.dim() >= 1 and x.shape[-1] == n):
+        return False
+    device, dtype = x.device, x.dtype
+    for p in (weight, bias):
+        if p is not None and not (
+            isinstance(p, torch.Tensor) and p.layout == torch.strided and p.dim() == 1 and p.shape[0] == n
+            and p.device == device and (p.dtype == dtype or (p.dtype == torch.float32 and dtype in _LOW_PRECISION))
+        ):
+            return False
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        return False
+    if residual is not None and not (
+        isinstance(residual, torch.Tensor) and residual.layout == torch.strided and residual.dtype == dtype
+        and residual.shape == x.shape and residual.device == device
+    ):
+        return False
+    return type(eps) is float and 0.0 <= eps < math.inf
+
+
+def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_may_be_none=False,
+                   layer_norm_dtypes=True):
+    """The normalized shape, once the arguments are checked: the common case through
+    :func:`_common_norm_args`, anything else in detail. ``layer_norm_dtypes``: the
+    parameters follow F.layer_norm's dtype rule (layer_norm, add_layer_norm)."""
+    n = _single_dim(normalized_shape)
+    if n is not None and _common_norm_args(x, n, weight, bias, eps, residual):
+        return (n,)
+    shape = _validate_norm_in_detail(x, normalized_shape, weight, bias, eps, residual, eps_may_be_none)
+    if layer_norm_dtypes:
+        _check_layer_norm_param_dtypes(x, weight, bias)
+    return shape
+
+
+def _validate_norm_in_detail(x, normalized_shape, weight, bias, eps, residual=None, eps_may_be_none=False):
     _check_tensor("x", x)
     _check_float("x", x)
     shape = _normalized_shape(normalized_shape)
@@ -429,8 +523,9 @@ def _norm(x, residual, weight, bias, eps, rms, n):
     if residual is None:
         h = None
     if x.dim() != 2 or x.shape[1] != n:
-        y = y.view(x.shape)
-        h = None if h is None else h.view(x.shape)
+        # view_as: a view to a torch.Size costs three times as much (about 2.7 us against 0.9)
+        y = y.view_as(x)
+        h = None if h is None else h.view_as(x)
     return y, h
 
 
@@ -443,7 +538,6 @@ def layer_norm(
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
-    _check_layer_norm_param_dtypes(x, weight, bias)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.layer_norm(x, shape, weight, bias, eps)
     if _on_reference_under_transform("layer_norm", x, weight, bias):
@@ -468,7 +562,6 @@ def add_layer_norm(
     if x.dim() == 0:
         raise ShapeError("x: expected at least one dimension, got a scalar")
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
-    _check_layer_norm_param_dtypes(x, weight, bias)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.add_layer_norm(x, residual, weight, bias, eps)
     if _on_reference_under_transform("add_layer_norm", x, residual, weight, bias):
@@ -487,7 +580,7 @@ def rms_norm(
     eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
-    shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True)
+    shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)
     if eps is None:
         eps = torch.finfo(reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns

@@ -54,10 +54,14 @@ def test_cached_generation_equals_full_redecoding(norm_first, activation, nhead)
     torch.testing.assert_close(cached_logits, forced, atol=2e-5, rtol=2e-5)
 
 
-def test_chunked_prefix_uses_bottom_right_causal_alignment():
-    """Several new positions at once on top of a cached prefix (Lq > 1, Lk > Lq)."""
+@pytest.mark.parametrize("hole", [True, False], ids=["padding-with-a-hole", "right-padding"])
+def test_chunked_prefix_uses_bottom_right_causal_alignment(hole):
+    """Several new positions at once on top of a cached prefix (Lq > 1, Lk > Lq), with the
+    source padding as a dense mask (a hole) or as key lengths (right padding only)."""
     model = _model(False).eval()
     src = _src()
+    if not hole:
+        src[2, 2] = 5
     tgt = torch.randint(3, VOCAB, (3, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         memory = model.encode(src)
@@ -66,6 +70,10 @@ def test_chunked_prefix_uses_bottom_right_causal_alignment():
         pieces = [decode_step(model, tgt[:, :1], cache), decode_step(model, tgt[:, 1:4], cache),
                   decode_step(model, tgt[:, 4:5], cache), decode_step(model, tgt[:, 5:], cache)]
     assert cache.length == 10
+    if hole:
+        assert cache.memory_lengths is None and cache.memory_mask.shape == (3, 1, 1, 9)
+    else:
+        assert cache.memory_mask is None and cache.memory_lengths.tolist() == [9, 6, 9]
     torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="capacity"):
         decode_step(model, tgt[:, :1], cache)

@@ -1,5 +1,6 @@
 """fasttrans.functional: validation, backend selection and the torch.library registration."""
 
+import re
 import warnings
 
 import pytest
@@ -65,6 +66,19 @@ def test_attention_rejects_bad_input(name, override, error, arg):
         fasttrans.attention(**kw)
 
 
+@pytest.mark.parametrize("B", [3, 65], ids=["values-read-in-python", "aminmax"])
+def test_key_lengths_range_is_checked_for_any_batch_size(B):
+    q = torch.randn(B, 1, 2, 8)
+    k = torch.randn(B, 1, 5, 8)
+    for bad, shown in ((6, "[0, 6]"), (-1, "[-1, 5]")):
+        lengths = torch.full((B,), 5, dtype=torch.int16)
+        lengths[B // 2] = bad
+        lengths[0] = 0
+        with pytest.raises(ShapeError, match=re.escape(f"key_lengths: expected values in [0, 5] (the key length), got {shown}")):
+            fasttrans.attention(q, k, k, key_lengths=lengths)
+    torch.testing.assert_close(fasttrans.attention(q, k, k, key_lengths=torch.full((B,), 5)), reference.attention(q, k, k))
+
+
 def test_error_types_are_also_runtime_errors():
     # torch raises RuntimeError for these mistakes; code written against torch keeps working
     assert issubclass(ShapeError, RuntimeError) and issubclass(ShapeError, ValueError)
@@ -127,6 +141,67 @@ def test_rms_norm_default_eps_is_torchs(dtype):
 def test_norms_reject_bad_input(call, error, arg):
     with pytest.raises(error, match=arg):
         call()
+
+
+def test_the_common_case_shortcut_of_the_attention_checks_vouches_only_for_valid_arguments():
+    """As for the norms: whatever the shortcut lets through, the detailed checks accept."""
+    import itertools
+
+    q = torch.randn(2, 4, 3, 8)
+    k = torch.randn(2, 2, 5, 8)
+    variants = {
+        "q": [q, q.half(), q.double(), q.int(), q.to("meta"), q.to_sparse(), q[..., :0], q[0], q[:1], q[:, :3],
+              q.transpose(1, 2)],
+        "k": [k, k.half(), k[:1], k[..., :4], k[:, :1], torch.randn(2, 0, 5, 8), torch.randn(2, 3, 5, 8),
+              k.to("meta"), k[0]],
+        "v": ["k", k.double(), k[:, :, :2], k.to("meta"), k.to_sparse()],
+        "is_causal": [False, True, 1, None],
+        "causal_offset": [0, -3, True, 1.0],
+        "dropout_p": [0.0, 0, 1, 0.5, 1.5, -0.1, float("nan"), True, None],
+        "scale": [None, 0.5, 2, float("inf"), float("nan"), True, "0.5"],
+    }
+    accepted = 0
+    for qq, kk, vv, causal, offset, p, scale in itertools.product(*variants.values()):
+        vv = kk if isinstance(vv, str) else vv
+        if not functional._common_attention_args(qq, kk, vv, causal, offset, p, scale):
+            continue
+        accepted += 1
+        functional._validate_attention_operands(qq, kk, vv)  # raise if the shortcut was wrong
+        functional._validate_attention_scalars(causal, offset, p, scale)
+    assert accepted >= 50
+
+
+def _norm_argument_variants():
+    """(x, n, weight, bias, eps, residual): the common case and one or two things off it."""
+    import itertools
+
+    x = torch.randn(2, 3, 6)
+    tensors = {
+        "x": [x, x.half(), x.bfloat16(), x.double(), x.int(), x.to("meta"), x.to_sparse(), x[..., :4], x.mT],
+        "weight": [None, torch.ones(6), torch.ones(6).half(), torch.ones(6).double(), torch.ones(1, 6),
+                   torch.ones(5), torch.ones(6, device="meta"), torch.ones(6).to_sparse(), torch.ones(6).int(),
+                   torch.ones(12)[::2]],
+        "bias": [None, torch.zeros(6), torch.zeros(6).half(), torch.zeros(6).bfloat16(), torch.zeros(7)],
+        "eps": [1e-5, 0.0, -1e-5, float("nan"), float("inf"), 1, True, None],
+        "residual": [None, x, x.half(), x[:1], x.to("meta"), x.to_sparse(), 1.0],
+    }
+    for xx, w, b, eps, r in itertools.product(*tensors.values()):
+        for n in (6, 4, 3):
+            yield xx, n, w, b, eps, r
+
+
+def test_the_common_case_shortcut_of_the_norm_checks_vouches_only_for_valid_arguments():
+    """What the shortcut lets through (without the detailed checks) the detailed checks
+    accept too, for every combination of argument variants; and it does let the common
+    cases through, so the shortcut is taken."""
+    accepted = 0
+    for x, n, w, b, eps, r in _norm_argument_variants():
+        if not functional._common_norm_args(x, n, w, b, eps, r):
+            continue
+        accepted += 1
+        functional._validate_norm_in_detail(x, (n,), w, b, eps, r)  # raises if the shortcut was wrong
+        functional._check_layer_norm_param_dtypes(x, w, b)
+    assert accepted >= 20
 
 
 # ---------------------------------------------------------------------------------------
@@ -568,6 +643,17 @@ def test_a_forced_backend_is_checked_on_every_call(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(backends.BackendUnavailableError, match="interpreter"):
         backends.select_backend("norm", "cpu", torch.float32)
+
+
+def test_a_forced_backend_memoised_as_usable_is_checked_again_when_a_backend_changes(monkeypatch):
+    monkeypatch.setenv("FASTTRANS_BACKEND", "extension")
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "extension"
+    monkeypatch.setitem(backends.BACKENDS, "extension", backends.Backend(
+        "extension", backends.BACKENDS["extension"]._load, lambda device: "switched off for this test"))
+    with pytest.raises(backends.BackendUnavailableError, match="switched off for this test"):
+        fasttrans.layer_norm(torch.randn(3, 8), (8,))
+    monkeypatch.setattr(backends.BACKENDS["extension"], "_check", lambda device: None)
+    assert backends.select_backend("norm", "cpu", torch.float32).name == "extension"
 
 
 def test_automatic_selection_skips_a_backend_without_kernels_for_the_dtype(monkeypatch):

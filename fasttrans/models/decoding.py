@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import functional as ft
+from ..nn import _masks
 
 __all__ = ["DecoderCache", "build_cache", "decode_step", "greedy_decode"]
 
@@ -58,9 +59,10 @@ class DecoderCache:
     """Per-layer keys/values for incremental decoding of one batch."""
 
     layers: list[_LayerCache]
-    memory_mask: torch.Tensor | None  # (B, 1, 1, S) bool, True = may attend; None = no padding
+    memory_mask: torch.Tensor | None  # (B, 1, 1, S) bool, True = may attend; None = no padding or lengths
     capacity: int  # target positions the self-attention buffers hold
     length: int = 0  # target positions decoded so far
+    memory_lengths: torch.Tensor | None = None  # (B,) int32 source lengths when the padding is on the right
 
 
 def build_cache(
@@ -80,10 +82,15 @@ def build_cache(
         v = _split_heads(_in_proj(cross, memory, slice(2 * d, 3 * d)), H)
         empty = memory.new_zeros(B, H, capacity, d // H)
         layers.append(_LayerCache(self_k=empty, self_v=empty.clone(), cross_k=k, cross_v=v))
-    mask = None
+    # the padding translated once for every step and layer: right padding (the usual case)
+    # as key lengths, whose padded tiles the kernels skip; anything else as a dense mask
+    mask = lengths = None
     if memory_key_padding_mask is not None:
-        mask = ~memory_key_padding_mask.view(B, 1, 1, S)  # torch.nn's True = pad -> the op's True = attend
-    return DecoderCache(layers=layers, memory_mask=mask, capacity=capacity)
+        if memory_key_padding_mask.dtype == torch.bool and not torch.compiler.is_compiling():
+            lengths = _masks.right_padded_lengths(memory_key_padding_mask)
+        if lengths is None:
+            mask = ~memory_key_padding_mask.view(B, 1, 1, S)  # torch.nn's True = pad -> the op's True = attend
+    return DecoderCache(layers=layers, memory_mask=mask, memory_lengths=lengths, capacity=capacity)
 
 
 def _self_attention(attn, x: torch.Tensor, lc: _LayerCache, start: int) -> torch.Tensor:
@@ -95,14 +102,15 @@ def _self_attention(attn, x: torch.Tensor, lc: _LayerCache, start: int) -> torch
     lc.self_v[:, :, start : start + n] = v
     keys = lc.self_k[:, :, : start + n]  # (B, H, Lk, Dh), a view: stride(-1) == 1, no copy
     values = lc.self_v[:, :, : start + n]
-    # bottom-right causal: new query i sits at absolute position start + i = (Lk - Lq) + i
-    out = ft.attention(q, keys, values, is_causal=True, causal_offset=keys.shape[2] - n)
+    # bottom-right causal: new query i sits at absolute position start + i = (Lk - Lq) + i;
+    # fasttrans.attention without its argument checks: the operands are the model's own
+    out = ft._attention(q, keys, values, None, None, True, keys.shape[2] - n, 0.0, None)
     return attn.out_proj(_merge_heads(out))
 
 
-def _cross_attention(attn, x: torch.Tensor, lc: _LayerCache, memory_mask: torch.Tensor | None) -> torch.Tensor:
+def _cross_attention(attn, x: torch.Tensor, lc: _LayerCache, cache: DecoderCache) -> torch.Tensor:
     q = _split_heads(_in_proj(attn, x, slice(0, attn.embed_dim)), attn.num_heads)  # (B, H, n, Dh)
-    out = ft.attention(q, lc.cross_k, lc.cross_v, attn_mask=memory_mask)
+    out = ft._attention(q, lc.cross_k, lc.cross_v, cache.memory_mask, cache.memory_lengths, False, 0, 0.0, None)
     return attn.out_proj(_merge_heads(out))
 
 
@@ -119,18 +127,18 @@ def _feed_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return layer.linear2(layer.activation(layer.linear1(x)))
 
 
-def _layer_step(layer, x: torch.Tensor, lc: _LayerCache, memory_mask, start: int) -> torch.Tensor:
+def _layer_step(layer, x: torch.Tensor, lc: _LayerCache, cache: DecoderCache, start: int) -> torch.Tensor:
     """One decoder layer on the new positions x (B, n, d_model); same math as its forward in eval mode."""
     if layer.norm_first:
         # x + SA(LN1(x)), then + CA(LN2(.)), then + FF(LN3(.)); h carries the residual stream
         sa = _self_attention(layer.self_attn, _norm(layer.norm1, x), lc, start)
         y, h = _add_norm(layer.norm2, sa, x)
-        ca = _cross_attention(layer.multihead_attn, y, lc, memory_mask)
+        ca = _cross_attention(layer.multihead_attn, y, lc, cache)
         y, h = _add_norm(layer.norm3, ca, h)
         return h + _feed_forward(layer, y)
     # post-norm: LN1(x + SA(x)), LN2(. + CA(.)), LN3(. + FF(.))
     x, _ = _add_norm(layer.norm1, _self_attention(layer.self_attn, x, lc, start), x)
-    x, _ = _add_norm(layer.norm2, _cross_attention(layer.multihead_attn, x, lc, memory_mask), x)
+    x, _ = _add_norm(layer.norm2, _cross_attention(layer.multihead_attn, x, lc, cache), x)
     x, _ = _add_norm(layer.norm3, _feed_forward(layer, x), x)
     return x
 
@@ -147,7 +155,7 @@ def decode_step(model, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tenso
         raise ValueError(f"tokens: {start + n} target positions exceed the cache capacity {cache.capacity}")
     x = model.positional_encoding(model.tgt_embed(tokens), offset=start)  # (B, n, d_model)
     for layer, lc in zip(model.transformer.decoder.layers, cache.layers):
-        x = _layer_step(layer, x, lc, cache.memory_mask, start)
+        x = _layer_step(layer, x, lc, cache, start)
     cache.length = start + n
     norm = model.transformer.decoder.norm
     return _norm(norm, x) if norm is not None else x

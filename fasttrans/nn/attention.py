@@ -252,27 +252,17 @@ class MultiheadAttention(Module):
             mask_dtypes = (query.dtype, torch.float32)
         self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
 
-        q, k, v = self._in_projection(query, key, value, qkv_same, kv_same)
+        q, k, v = self._in_projection(query, key, value, qkv_same, kv_same, seq_first)  # (N, H, L|S, D)
         extra = 0
-        if self.bias_k is not None and self.bias_v is not None:
-            bias_shape = (1, N, E) if seq_first else (N, 1, E)
-            k = torch.cat([k, self.bias_k.view(1, 1, E).expand(bias_shape)], dim=l_dim)
-            v = torch.cat([v, self.bias_v.view(1, 1, E).expand(bias_shape)], dim=l_dim)
-            extra += 1
-        elif self.bias_k is not None or self.bias_v is not None:
-            raise AssertionError("bias_k and bias_v: expected both or neither to be set")
-        if self.add_zero_attn:
-            zero_shape = (1, N, E) if seq_first else (N, 1, E)
-            k = torch.cat([k, k.new_zeros(zero_shape)], dim=l_dim)
-            v = torch.cat([v, v.new_zeros(zero_shape)], dim=l_dim)
-            extra += 1
-
-        q, k, v = (self._split_heads(t, seq_first) for t in (q, k, v))  # (N, H, L|S', D) views
+        if self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
+            k, v, extra = self._append_extra_keys(k, v)  # (N, H, S', D)
         masks = _masks.translate(
             attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=need_weights,
             batch=N, heads=H, tgt_len=L, src_len=S, extra_keys=extra,
         )
         dropout_p = self.dropout if self.training else 0.0
+        if dropout_p and not 0.0 <= dropout_p <= 1.0:  # torch's wording and type (F.dropout's check)
+            raise FT.ShapeError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
 
         weights = None
         if need_weights:
@@ -280,15 +270,15 @@ class MultiheadAttention(Module):
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S')
         else:
-            out = FT.attention(
-                q, k, v, attn_mask=masks.attn_mask, key_lengths=masks.key_lengths,
-                is_causal=masks.is_causal, dropout_p=dropout_p,
+            # the arguments are valid by construction (the checks above, the translated masks)
+            out = FT._attention(
+                q, k, v, masks.attn_mask, masks.key_lengths, masks.is_causal, 0, dropout_p, None,
             )  # (N, H, L, D)
 
         # (N, H, L, D) -> rows of E features in the caller's layout, then the output projection
         out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)  # (L, N, H, D) | (N, L, H, D)
         out = F.linear(out.reshape(-1, E), self.out_proj.weight, self.out_proj.bias)
-        out = out.view((L, N, E) if seq_first else (N, L, E))
+        out = out.view(L, N, E) if seq_first else out.view(N, L, E)
         if not is_batched:
             out = out.squeeze(1)
             if weights is not None:
@@ -390,33 +380,58 @@ class MultiheadAttention(Module):
                         f"{' or '.join(map(str, dict.fromkeys(mask_dtypes)))}, got {mask_dtype}"
                     )
 
-    def _in_projection(self, query: Tensor, key: Tensor, value: Tensor, qkv_same: bool, kv_same: bool):
-        """q (.., E), k (.., E), v (.., E) in the input layout; one GEMM when query is key is value."""
-        E = self.embed_dim
-        b = self.in_proj_bias
+    def _in_projection(self, query: Tensor, key: Tensor, value: Tensor, qkv_same: bool, kv_same: bool,
+                       seq_first: bool):
+        """q (N, H, L, D), k and v (N, H, S, D): views of the projections, split into heads.
+
+        A packed projection's parts are taken with one unbind over its (.., parts, H, D)
+        view (its backward stacks the gradients in one pass into the projection's layout),
+        then each moves its head dim forward: five view ops for self-attention, where a
+        split of each part into heads would take eight (about 1 us each on a 2-core CPU).
+        One GEMM when query is key is value, two when key is value.
+        """
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        w, b = self.in_proj_weight, self.in_proj_bias
+
+        def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> tuple[Tensor, ...]:
+            y = F.linear(x, weight, bias)  # (L, N, parts E) | (N, L, parts E)
+            y = y.view(y.shape[0], y.shape[1], parts, H, D).unbind(2)  # parts x (L, N, H, D) | (N, L, H, D)
+            return tuple(t.permute(1, 2, 0, 3) if seq_first else t.transpose(1, 2) for t in y)
+
         if not self._qkv_same_embed_dim:
             b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)
-            return (F.linear(query, self.q_proj_weight, b_q), F.linear(key, self.k_proj_weight, b_k),
-                    F.linear(value, self.v_proj_weight, b_v))
-        w = self.in_proj_weight
-        if kv_same:
-            # Views of one projection, taken with unbind: its backward stacks the three
-            # gradients in one pass, where slicing would zero-fill a full-size tensor per slice.
-            if qkv_same:  # self-attention: one (.., 3E) projection
-                return F.linear(query, w, b).unflatten(-1, (3, E)).unbind(-2)
-            # encoder-decoder attention: keys and values share one (.., 2E) projection
+            return (heads(query, self.q_proj_weight, b_q, 1)[0], heads(key, self.k_proj_weight, b_k, 1)[0],
+                    heads(value, self.v_proj_weight, b_v, 1)[0])
+        if qkv_same:  # self-attention: one (.., 3E) projection
+            return heads(query, w, b, 3)
+        if kv_same:  # encoder-decoder attention: keys and values share one (.., 2E) projection
             w_q, w_kv = w.split([E, 2 * E])
             b_q, b_kv = b.split([E, 2 * E]) if b is not None else (None, None)
-            k, v = F.linear(key, w_kv, b_kv).unflatten(-1, (2, E)).unbind(-2)
-            return F.linear(query, w_q, b_q), k, v
+            k, v = heads(key, w_kv, b_kv, 2)
+            return heads(query, w_q, b_q, 1)[0], k, v
         w_q, w_k, w_v = w.chunk(3)
         b_q, b_k, b_v = b.chunk(3) if b is not None else (None, None, None)
-        return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+        return heads(query, w_q, b_q, 1)[0], heads(key, w_k, b_k, 1)[0], heads(value, w_v, b_v, 1)[0]
 
-    def _split_heads(self, t: Tensor, seq_first: bool) -> Tensor:
-        """(L, N, E) or (N, L, E) -> (N, H, L, D), a view (the last dim stays unit-stride)."""
-        t = t.unflatten(-1, (self.num_heads, self.head_dim))  # (L, N, H, D) | (N, L, H, D)
-        return t.permute(1, 2, 0, 3) if seq_first else t.transpose(1, 2)
+    def _append_extra_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """k, v (N, H, S, D) with bias_k/bias_v and then the zero key and value
+        (add_zero_attn) appended as keys S, S+1; also returns how many were appended."""
+        if (self.bias_k is None) != (self.bias_v is None):
+            raise AssertionError("bias_k and bias_v: expected both or neither to be set")
+        N, H, _, D = k.shape
+        extra = 0
+        if self.bias_k is not None:
+            def per_head(bias: Tensor) -> Tensor:  # (1, 1, E) -> (N, H, 1, D)
+                return bias.view(1, H, 1, D).expand(N, H, 1, D)
+
+            k = torch.cat([k, per_head(self.bias_k)], dim=2)
+            v = torch.cat([v, per_head(self.bias_v)], dim=2)
+            extra += 1
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, H, 1, D)], dim=2)
+            v = torch.cat([v, v.new_zeros(N, H, 1, D)], dim=2)
+            extra += 1
+        return k, v, extra
 
     def _attention_with_weights(self, q, k, v, masks: _masks.OpMasks, dropout_p: float):
         """The materialising path: (N, H, L, D) output and the (N, H, L, S') weights used for it.

@@ -17,13 +17,7 @@ from torch.nn import Module, Parameter, init
 from .. import backends
 from .. import functional as FT
 
-__all__ = ["LayerNorm", "RMSNorm", "check_layer_norm_dtypes"]
-
-def check_layer_norm_dtypes(x: Tensor, weight: Tensor | None, bias: Tensor | None, name: str = "input") -> None:
-    """Raise where ``F.layer_norm`` raises on mixed dtypes (a RuntimeError): parameters in
-    the input's dtype, or float32 ones with a float16/bfloat16 input (mixed precision).
-    ``fasttrans.layer_norm`` and ``add_layer_norm`` apply the same rule themselves."""
-    FT._check_layer_norm_param_dtypes(x, weight, bias, name)
+__all__ = ["LayerNorm", "RMSNorm"]
 
 
 def _shape(normalized_shape) -> tuple[int, ...]:
