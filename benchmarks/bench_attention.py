@@ -13,9 +13,12 @@ Sweeps (select with --sweep):
     short     short queries, float32, D=64: the seq2seq model's attention in training (B=64
               H=4: encoder 91 x 91 with key padding, decoder 9 x 9 causal, cross-attention
               9 x 91) and incremental decoding (one query against 100 and 1024 cached keys),
-              forward and forward+backward (decoding: forward only); and a call of
-              B=1 H=1 with 4 queries and 8 keys, forward and forward+backward, where the
-              per-call costs outside the kernel are most of the time.
+              forward and forward+backward (decoding: forward only); a call of B=1 H=1
+              with 4 queries and 8 keys, forward and forward+backward, where the per-call
+              costs outside the kernel are most of the time; and the digits model's
+              MultiheadAttention on one sequence of 8 tokens with key padding (B=1 L=8
+              E=256 H=4): inference (eval mode, no gradients, where torch.nn takes its fused
+              fast path) and forward+backward (train mode, dropout 0).
 
 Providers: fasttrans-<backend> for every registered backend (forced with
 fasttrans.use_backend), torch (F.scaled_dot_product_attention with the equivalent mask:
@@ -197,17 +200,29 @@ def mha_inputs(B, L, E, H, dtype, device):
     return build
 
 
-def _mha_step(module, inp, backend: str | None):
+def _mha_step(module, inp, backend: str | None, mode: str = "fwd+bwd"):
+    """The module's forward+backward in train mode, or ("infer") its forward in eval mode
+    without gradients."""
     x, params = inp.x, list(module.parameters())
 
     def forward(x):
         return module(x, x, x, key_padding_mask=inp.key_padding_mask, need_weights=False)[0]
 
+    if mode == "infer":
+        module.eval()
+
+        def infer(x):
+            with torch.no_grad():
+                return forward(x)
+
+        return common.timed_call(infer, (x.detach(),), "fwd", backend)
+    module.train()
     return common.timed_call(forward, (x,), "fwd+bwd", backend, [x, *params], inp.dout)
 
 
-def mha_config(bench, B, L, E, H, dtype) -> Config:
-    mode = "fwd+bwd"
+def mha_config(bench, B, L, E, H, dtype, sweep: str = "headline", mode: str = "fwd+bwd", case: str = "") -> Config:
+    """fasttrans.nn.MultiheadAttention against torch.nn's with the same weights, self-attention
+    with a right-padding key_padding_mask; mode "fwd+bwd" (train mode) or "infer"."""
     entries = []
     for p in bench.providers("attention"):
         if p.backend is not None:
@@ -216,16 +231,16 @@ def mha_config(bench, B, L, E, H, dtype) -> Config:
                 module = _fasttrans_mha_class()(t.embed_dim, t.num_heads, batch_first=True,
                                                 device=inp.x.device, dtype=inp.x.dtype)
                 module.load_state_dict(t.state_dict())  # the same weights as torch's module
-                return _mha_step(module, inp, backend)
+                return _mha_step(module, inp, backend, mode)
 
             skip = reference_skip(bench.device, B, H, L, L, dtype, bench.quick) if p.backend == "reference" else None
             entries.append(Entry(p, make, skip=skip))
         elif p.name == "torch":
-            entries.append(Entry(p, lambda inp: _mha_step(inp.torch_module, inp, None)))
+            entries.append(Entry(p, lambda inp: _mha_step(inp.torch_module, inp, None, mode)))
         elif p.name == "torch-compile":
-            entries.append(Entry(p, lambda inp: _mha_step(common.fresh_compile(inp.torch_module), inp, None)))
+            entries.append(Entry(p, lambda inp: _mha_step(common.fresh_compile(inp.torch_module), inp, None, mode)))
     return Config(
-        sweep="headline", case=f"MultiheadAttention key_padding {mode}", op="multihead_attention", mode=mode,
+        sweep=sweep, case=case or f"MultiheadAttention key_padding {mode}", op="multihead_attention", mode=mode,
         dtype=dtype, params={"B": B, "L": L, "E": E, "H": H, "mask": "key_padding"},
         inputs=mha_inputs(B, L, E, H, dtype, bench.device), entries=entries,
         work=mha_flops(B, L, E, mode), work_unit="FLOP",
@@ -292,6 +307,10 @@ def configs(bench: common.Bench, masks, modes, seq_lens, head_dims):
         for mode in modes_of_case:
             if keep(Lq, 64, mask, mode):
                 yield attention_config(bench, "short", B, H, Lq, 64, mask, mode, fp32, case=f"{case} {mode}", Lk=Lk)
+    B, L, E, H = 1, 8, 256, 4  # the digits model's attention, one short sequence
+    for mode in ("infer", "fwd+bwd"):
+        if keep(L, E // H, "key_padding", "fwd" if mode == "infer" else mode):
+            yield mha_config(bench, B, L, E, H, fp32, sweep="short", mode=mode, case=f"module 1 x 8 {mode}")
 
 
 def main(argv=None) -> int:
