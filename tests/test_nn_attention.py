@@ -346,6 +346,49 @@ def test_mixed_mask_types_warn_like_torch():
         f(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask.isinf(), need_weights=False)
 
 
+MASK_DTYPES = [None, torch.bool, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, F64], ids=["q32", "q64"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
+def test_mask_dtype_combinations_are_accepted_or_refused_as_in_torch(query_dtype, need_weights):
+    """torch makes a bool mask a float mask of the query's dtype and adds the two masks, so a
+    bool causal mask with a float32 padding mask works with a float64 query: every pair of
+    mask dtypes (and the is_causal hint) either gives torch's output or fails as torch does."""
+    t, f = _pair(embed_dim=E, num_heads=H, dtype=query_dtype)
+    x = _seq(N, L, E, False, dtype=query_dtype)
+    blocked = torch.ones(L, L, dtype=torch.bool).triu(1)
+    pad = _right_padded([L, 3, 1], L)
+
+    def mask(pattern, dtype):
+        if dtype is None or dtype == torch.bool:
+            return None if dtype is None else pattern
+        return torch.zeros(pattern.shape, dtype=dtype).masked_fill(pattern, float("-inf"))
+
+    def outcome(mod, **kwargs):
+        try:
+            return mod(x, x, x, need_weights=need_weights, **kwargs)[0]
+        except (RuntimeError, AssertionError) as e:
+            return type(e)
+
+    accepted = 0
+    for kpm_dtype in MASK_DTYPES:
+        for mask_dtype in MASK_DTYPES:
+            for is_causal in ([False, True] if mask_dtype is not None else [False]):
+                kwargs = dict(attn_mask=mask(blocked, mask_dtype), key_padding_mask=mask(pad, kpm_dtype),
+                              is_causal=is_causal)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # mixed bool/float pairs warn, as in torch
+                    want, got = outcome(t, **kwargs), outcome(f, **kwargs)
+                case = f"key_padding_mask {kpm_dtype}, attn_mask {mask_dtype}, is_causal={is_causal}"
+                if isinstance(want, torch.Tensor):
+                    assert isinstance(got, torch.Tensor), f"{case}: torch computes, fasttrans raised {got}"
+                    torch.testing.assert_close(got, want, **TOL[query_dtype], msg=case)
+                    accepted += 1
+                else:
+                    assert got is want, f"{case}: torch raised {want}, fasttrans gave {got}"
+    assert accepted > 10
+
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
 @pytest.mark.parametrize("empty", ["batch", "queries", "keys"])

@@ -369,10 +369,11 @@ class MultiheadAttention(Module):
                 f"got {tuple(key_padding_mask.shape)}"
             )
         if mask_dtypes is not None:
-            # torch merges the float masks (bool ones become the query's dtype) and adds them
-            # to the scores
-            dtypes = [m.dtype for m in (attn_mask, key_padding_mask) if m is not None and m.dtype != torch.bool]
-            if dtypes:
+            # torch turns bool masks into float masks of the query's dtype, adds the two masks
+            # when both are given (type promotion) and adds the result to the scores
+            masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
+            if any(m.dtype != torch.bool for m in masks):
+                dtypes = [query.dtype if m.dtype == torch.bool else m.dtype for m in masks]
                 mask_dtype = dtypes[0] if len(dtypes) == 1 else torch.promote_types(*dtypes)
                 if mask_dtype not in mask_dtypes:
                     raise RuntimeError(
