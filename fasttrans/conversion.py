@@ -95,10 +95,21 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
         new.register_parameter(name, param)
     for name, buf in old._buffers.items():
         new.register_buffer(name, buf, persistent=name not in old._non_persistent_buffers_set)
-    new.train(old.training)
+    new.training = old.training  # its own mode only: train() would reset every child's
     for attr in _HOOK_ATTRS:  # the twin takes over the hooks (and their handles)
         if attr in old.__dict__:
             setattr(new, attr, old.__dict__[attr])
+
+
+def _unshadow_children(new: nn.Module, old: nn.Module) -> None:
+    """Undo what copying adds to ``new``, a copy (copy.copy, copy.deepcopy) of ``old``: the
+    ``__setstate__`` of torch.nn.TransformerDecoderLayer looks for ``activation`` among the
+    plain attributes only, misses a module activation (a child) and sets ``activation =
+    F.relu`` beside it, which then shadows the child. An attribute cannot otherwise sit
+    beside a child of the same name (``Module.__setattr__`` keeps one), so each one that
+    ``old`` does not have goes."""
+    for name in new._modules.keys() & new.__dict__.keys() - old.__dict__.keys():
+        del new.__dict__[name]
 
 
 def _shallow_copy(m: nn.Module) -> nn.Module:
@@ -109,6 +120,7 @@ def _shallow_copy(m: nn.Module) -> nn.Module:
         if isinstance(m.__dict__.get(attr), dict):
             new.__dict__[attr] = m.__dict__[attr].copy()
     new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+    _unshadow_children(new, m)
     return new
 
 
@@ -147,7 +159,9 @@ def convert(
     if backend is not None:
         backends.get_backend(backend)  # validates the name
     if not inplace:
-        model = copy.deepcopy(model)
+        original, model = model, copy.deepcopy(model)
+        for new, old in zip(model.modules(), original.modules()):  # the same walk: deepcopy keeps the structure
+            _unshadow_children(new, old)
     skipped: list[tuple[str, str]] = []
     converted: list[nn.Module] = []
     done: dict[int, nn.Module] = {}  # a module reached at several paths gets one twin
@@ -178,6 +192,10 @@ def convert(
         for child_name, child in m._modules.items():
             if child is not None:
                 setattr(new, child_name, convert_module(child, path(name, child_name), in_twin=True, frozen=True))
+        for attr in m._modules.keys() & m.__dict__.keys():
+            # an attribute that shadows a child, as torch's stacks leave in their decoder layers
+            # (see _unshadow_children): m computes with the attribute, and so does the twin
+            new.__dict__[attr] = m.__dict__[attr]
         _adopt(new, m)
         return new
 
@@ -214,6 +232,13 @@ def convert(
                 result = done[id(m)] = _shallow_copy(m)
             for child_name, new_child in changed.items():
                 setattr(result, child_name, new_child)
+            if (isinstance(result, nn.TransformerEncoder) and getattr(result, "use_nested_tensor", False)
+                    and not all(isinstance(layer, nn.TransformerEncoderLayer) for layer in result.layers)):
+                # torch's encoder would hand nested tensors to its converted layers in
+                # inference; its constructor makes the same choice for layers not its own
+                if frozen and result is m:
+                    result = done[id(m)] = _shallow_copy(m)
+                result.use_nested_tensor = False
         else:
             converted.append(result)
             done[id(m)] = result
