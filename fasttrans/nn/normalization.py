@@ -104,6 +104,10 @@ class RMSNorm(Module):
         device, dtype: factory kwargs for the parameters.
 
     Shape: input (*, *normalized_shape), output the same.
+
+    Difference from torch.nn: complex inputs raise NotImplementedError naming ``x``
+    (torch computes ``x * rsqrt(mean(x * x) + eps)`` for them, which is not the RMS of
+    their magnitudes); the kernels take floating-point inputs only.
     """
 
     __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
