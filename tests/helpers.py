@@ -1,11 +1,15 @@
 """Shared test utilities: the low-precision error rule, mask factories, the extension's device
-check, one call of each norm op, and the dropout oracle."""
+check, one call of each norm op, the dropout oracle, and the differential tests' hypothesis
+settings."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from fasttrans import backends
 
@@ -141,3 +145,14 @@ def fasttrans_ops_run(call) -> tuple:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         result = call()
     return result, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
+
+
+def fuzz_settings(examples: int) -> settings:
+    """Settings of the differential tests (test_nn_fuzz.py, test_convert_fuzz.py): CI's fixed,
+    derandomized ``examples``, or FASTTRANS_FUZZ_EXAMPLES fresh ones for long runs."""
+    common = dict(deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    long_run = os.environ.get("FASTTRANS_FUZZ_EXAMPLES")
+    if long_run:
+        return settings(max_examples=int(long_run), derandomize=False, **common)
+    return settings(max_examples=examples, derandomize=True, **common)

@@ -39,6 +39,7 @@ layers nested tensors in inference).
 
 Examples are derandomized (the same ones on every run); tensor values come from a
 torch.Generator seeded by a drawn seed, so a failing example reproduces as printed.
+FASTTRANS_FUZZ_EXAMPLES=n draws n fresh random examples per test instead, for long runs.
 """
 
 import copy
@@ -48,17 +49,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 
 import fasttrans
 import fasttrans.nn as fnn
+from helpers import fuzz_settings
 
 F64, F32 = torch.float64, torch.float32
 TOL = {F64: dict(atol=1e-10, rtol=1e-10), F32: dict(atol=1e-5, rtol=1e-5)}
-FUZZ = dict(deadline=None, derandomize=True, database=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -739,13 +739,13 @@ def _check_convert(case):
         assert twice is converted and skipped == []
 
 
-@settings(max_examples=800, **FUZZ)
+@fuzz_settings(800)
 @given(case=convert_cases())
 def test_convert_matches_torch(case):
     _check_convert(case)
 
 
-@settings(max_examples=150, **FUZZ)
+@fuzz_settings(150)
 @given(case=convert_cases(modes=("frozen",), whens=("before",)))
 def test_convert_keeps_per_module_modes(case):
     """A model training with its dropouts and attentions frozen in eval mode (dropout > 0):
@@ -872,7 +872,7 @@ def _norm_pair(case, g):
     return t, f
 
 
-@settings(max_examples=2000, **FUZZ)
+@fuzz_settings(2000)
 @given(case=norm_cases())
 @example(case=dict(cls="LayerNorm", sizes=(3, 4), form="tuple", dtype=F32, param_dtype=F32, eps=1e-5, affine=True,
                    bias=False, lead=(2,), layout="transposed", scale=1.0, offset=1.0, constant=False, grads="all",

@@ -24,16 +24,16 @@ torch.Generator seeded by a drawn seed, so a failing example reproduces as print
 FASTTRANS_FUZZ_EXAMPLES=n draws n fresh random examples per test instead, for long runs.
 """
 
-import os
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fasttrans.nn as fnn
+from helpers import fuzz_settings
 
 F64 = torch.float64
 TOL = {
@@ -42,15 +42,6 @@ TOL = {
     # tolerance, since either side may reduce them over heads and queries in float32
     torch.float32: dict(atol=1e-5, rtol=1e-5),
 }
-FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-_LONG_RUN = os.environ.get("FASTTRANS_FUZZ_EXAMPLES")
-
-
-def _fuzz(examples: int) -> settings:
-    """The CI's fixed examples, or FASTTRANS_FUZZ_EXAMPLES fresh ones."""
-    if _LONG_RUN:
-        return settings(max_examples=int(_LONG_RUN), derandomize=False, **FUZZ)
-    return settings(max_examples=examples, derandomize=True, **FUZZ)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -386,7 +377,7 @@ _CAUSAL = dict(dims=2, kind="bool", causal=True, p=0.2, dtype=F64, finite=False,
 _PADDING = dict(kind="right", p=0.2, dtype=F64, finite=False, layout="contiguous")  # a key padding mask spec
 
 
-@_fuzz(3000)
+@fuzz_settings(3000)
 @given(case=mha_cases())
 # regressions found by this test: torch turns a bool mask into the query's dtype before adding
 # a float mask of another dtype (the sum promotes); fasttrans used to refuse such pairs
@@ -555,7 +546,7 @@ def _transformer_example(**overrides):
     return case
 
 
-@_fuzz(2000)
+@fuzz_settings(2000)
 @given(case=transformer_cases())
 # the bool + float16 pair of masks, which torch takes (the regression of the examples above)
 @example(case=_transformer_example(src_mask=_CAUSAL, src_kpm=dict(_PADDING, kind="float", dtype=torch.float16)))
