@@ -87,6 +87,8 @@ struct AttnParams {
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& attn_mask,
                        const at::Tensor& key_lengths_i32, bool is_causal, int64_t causal_offset, double dropout_p,
                        double scale, int64_t seed) {
+  // fasttrans.attention turns dropout_p == 1 into zeros before any kernel runs
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
   AttnParams p;
   p.B = q.size(0);
   p.H = q.size(1);

@@ -128,6 +128,7 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   // beyond these bounds the offset changes nothing, and the kernels' index arithmetic stays small
   a.causal_offset = std::clamp<int64_t>(causal_offset, -(Lq + 1), Lk + 1);
   a.scale = static_cast<float>(scale);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
   a.dropout = dropout_p > 0.0;
   a.seed = static_cast<uint64_t>(seed);
   a.dropout_threshold = dropout_threshold(dropout_p);

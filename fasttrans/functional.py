@@ -257,14 +257,22 @@ def _validate_attention_operands(q, k, v) -> None:
         raise ShapeError(f"q: expected a head dim of at least 1, got shape {tuple(q.shape)}")
 
 
+def _type_name(value) -> str:
+    """The type of value as an error message names it: ``numpy.bool``, not a bare ``bool``."""
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _validate_attention_scalars(is_causal, causal_offset, dropout_p, scale) -> None:
     if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+        raise TypeError(f"is_causal: expected a bool, got {_type_name(is_causal)}")
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
-        raise TypeError(f"causal_offset: expected an int, got {type(causal_offset).__name__}")
+        raise TypeError(f"causal_offset: expected an int, got {_type_name(causal_offset)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) <= 1.0:
         raise ShapeError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a finite float or None, got {_type_name(scale)}")
+    if scale is not None and not math.isfinite(scale):
         raise ShapeError(f"scale: expected a finite float or None, got {scale!r}")
 
 
