@@ -605,12 +605,25 @@ def _skipping_autograd_key(op, backend: str):
     return call
 
 
+def _check_fake_devices(**tensors) -> None:
+    """The fake implementations also run for a real call when one of its inputs is a meta
+    tensor (the dispatcher then picks the Meta kernel): outputs shaped like a CPU input would
+    be uninitialised CPU memory. Meta tensors must come alone (under torch.compile the fake
+    tensors report their real devices and pass)."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    meta = [name for name, t in present.items() if t.is_meta]
+    if meta and len(meta) != len(present):
+        other = next(t.device for t in present.values() if not t.is_meta)
+        raise RuntimeError(f"{meta[0]}: expected a tensor on {other} (the device of the other inputs), got meta")
+
+
 def _register_fake_and_autograd(name: str) -> None:
     """Fake implementations and autograd formulas for one backend's four ops."""
     ns = torch.ops.fasttrans
 
     @register_fake(f"fasttrans::attention_fwd_{name}")
     def _(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+        _check_fake_devices(q=q, k=k, v=v, attn_mask=attn_mask, key_lengths=key_lengths)
         B, H, Lq, D = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
             (B, H, Lq), dtype=reference.accumulation_dtype(q)
@@ -619,6 +632,7 @@ def _register_fake_and_autograd(name: str) -> None:
     @register_fake(f"fasttrans::attention_bwd_{name}")
     def _(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
           mask_grad):
+        _check_fake_devices(q=q, dout=dout, k=k, v=v, out=out, lse=lse, attn_mask=attn_mask, key_lengths=key_lengths)
         B, H, Lq, _ = q.shape
         dmask = q.new_empty((B, H, Lq, k.shape[2]) if mask_grad else (0,), dtype=reference.accumulation_dtype(q))
         return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -627,6 +641,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
     @register_fake(f"fasttrans::norm_fwd_{name}")
     def _(x, residual, weight, bias, eps, rms):
+        _check_fake_devices(x=x, residual=residual, weight=weight, bias=bias)
         M = x.shape[0]
         stats = reference.accumulation_dtype(x)
         return (torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -636,6 +651,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
     @register_fake(f"fasttrans::norm_bwd_{name}")
     def _(dy, dh, h, weight, bias, mean, rstd, rms):
+        _check_fake_devices(h=h, dy=dy, dh=dh, weight=weight, bias=bias, mean=mean, rstd=rstd)
         return (torch.empty_like(h, memory_format=torch.contiguous_format),
                 torch.empty_like(weight) if weight is not None else h.new_empty(0),
                 torch.empty_like(bias) if bias is not None else h.new_empty(0))
@@ -647,6 +663,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
     @register_fake(f"fasttrans::dropout_bwd_{name}")
     def _(dy, keep, p):
+        _check_fake_devices(dy=dy, keep=keep)
         return torch.empty_like(dy, memory_format=torch.contiguous_format)
 
     attention_bwd_op = _skipping_autograd_key(getattr(ns, f"attention_bwd_{name}"), name)

@@ -1329,25 +1329,17 @@ RAW_CASES = {
     "icm-nan": ("ICM(torch.full((4, 4), math.nan))", "ok"),
     "icm-half-bf16": ("(ICM(T((4, 4), 'f16')), ICM(T((4, 4), 'bf16')))", "ok"),
     "icm-meta": ("ICM(torch.ones(4, 4, device='meta'))", "any"),
+    # one meta tensor among CPU ones: the dispatcher picks the Meta kernel, the fake
+    # implementation (fasttrans/backends.py), which checks that the devices agree
+    "afwd-meta-mask": (_a(mask="meta(torch.ones(5, 7, dtype=torch.bool))"), "error:attn_mask"),
+    "afwd-meta-kl": (_a(kl="meta(torch.tensor([1, 2]))"), "error:key_lengths"),
+    "abwd-meta-dout": (_ab(dout="meta(do)"), "error:dout"),
+    "nfwd-meta-weight": (_nf(w="meta(w)"), "error:weight"),
+    "nbwd-meta-bias": (_nb(b="meta(b)"), "error:bias"),
+    "dbwd-meta-keep": ("DB(x, meta(keep), 0.5)", "error:keep"),
 }
 # Known gaps (reported): a strict xfail each, so that a fix shows up as XPASS.
 RAW_KNOWN = {
-    # one meta tensor among CPU ones: the dispatcher picks the Meta kernel, i.e. the fake
-    # implementation (fasttrans/backends.py), which checks no devices and returns
-    # torch.empty_like(<a CPU input>): uninitialised CPU memory as the result, no error
-    "afwd-meta-mask": (_a(mask="meta(torch.ones(5, 7, dtype=torch.bool))"), "error:attn_mask",
-                       "a meta attn_mask with CPU q, k, v: the fake implementation runs and returns uninitialised "
-                       "CPU tensors as out and lse"),
-    "afwd-meta-kl": (_a(kl="meta(torch.tensor([1, 2]))"), "error:key_lengths",
-                     "meta key_lengths with CPU q, k, v: uninitialised CPU outputs (the fake implementation)"),
-    "abwd-meta-dout": (_ab(dout="meta(do)"), "error:dout",
-                       "a meta dout with CPU tensors: uninitialised CPU gradients (the fake implementation)"),
-    "nfwd-meta-weight": (_nf(w="meta(w)"), "error:weight",
-                         "a meta weight with a CPU x: uninitialised CPU y and statistics (the fake implementation)"),
-    "nbwd-meta-bias": (_nb(b="meta(b)"), "error:bias",
-                       "a meta bias with CPU tensors: an uninitialised CPU dx (the fake implementation)"),
-    "dbwd-meta-keep": ("DB(x, meta(keep), 0.5)", "error:keep",
-                       "a meta keep with a CPU dy: an uninitialised CPU dx (the fake implementation)"),
     # errors that name no argument
     "afwd-mask-wrong-shape": (_a(mask="torch.ones(5, 6, dtype=torch.bool)"), "error:attn_mask",
                               "a mask that does not broadcast fails in expand() ('The expanded size of the tensor "
