@@ -5,6 +5,7 @@ settings."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -156,3 +157,35 @@ def fuzz_settings(examples: int) -> settings:
     if long_run:
         return settings(max_examples=int(long_run), derandomize=False, **common)
     return settings(max_examples=examples, derandomize=True, **common)
+
+
+def fresh_leaves(tensors, grads: bool) -> list:
+    """The inputs, those that require grad as fresh leaves (identity between inputs and
+    strides kept), the others detached."""
+    seen = {}
+    for x in tensors:
+        if x is not None and id(x) not in seen:
+            seen[id(x)] = x.detach().clone().requires_grad_() if grads and x.requires_grad else x.detach()
+    return [None if x is None else seen[id(x)] for x in tensors]
+
+
+def run_with_grads(mod, tensors, call, seed: int, grads: bool):
+    """(outputs, gradients by name: inputs, then every parameter) of ``call(mod, *inputs)``
+    and the backward of a random loss (its weights drawn in float64 from ``seed``, the same
+    numbers for an output of any float dtype); no gradients when not ``grads``. Warnings are
+    ignored (torch's mask-type and fast-path warnings; the grids test them)."""
+    leaves = fresh_leaves(tensors, grads)
+    with torch.set_grad_enabled(grads), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = call(mod, *leaves)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    if not grads:
+        return outs, {}
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum()
+               for o in outs if o is not None)
+    mod.zero_grad(set_to_none=True)
+    loss.backward()
+    named = {f"input {i}": x.grad for i, x in enumerate(leaves) if x is not None and x.requires_grad}
+    named.update((n, p.grad) for n, p in mod.named_parameters())
+    return outs, named

@@ -55,7 +55,7 @@ from torch import nn
 
 import fasttrans
 import fasttrans.nn as fnn
-from helpers import fuzz_settings
+from helpers import fuzz_settings, run_with_grads
 
 F64, F32 = torch.float64, torch.float32
 TOL = {F64: dict(atol=1e-10, rtol=1e-10), F32: dict(atol=1e-5, rtol=1e-5)}
@@ -68,41 +68,13 @@ SUPPORTED = (nn.MultiheadAttention, nn.LayerNorm, nn.RMSNorm, nn.TransformerEnco
 
 
 # --------------------------------------------------------------------------------------
-# the harness (as tests/test_nn_fuzz.py): outputs and gradients by name, or torch's error
+# the harness (helpers.run_with_grads, as tests/test_nn_fuzz.py): outputs and gradients by
+# name, or torch's error
 # --------------------------------------------------------------------------------------
-def _leaves(tensors, grads):
-    """The inputs, float ones that require grad as fresh leaves (identity between inputs kept)."""
-    seen = {}
-    for x in tensors:
-        if x is not None and id(x) not in seen:
-            seen[id(x)] = x.detach().clone().requires_grad_() if grads and x.requires_grad else x.detach()
-    return [None if x is None else seen[id(x)] for x in tensors]
-
-
-def _run(mod, tensors, call, seed, grads):
-    """(outputs, gradients by name: inputs then every parameter) of one forward and the
-    backward of a random loss."""
-    leaves = _leaves(tensors, grads)
-    with torch.set_grad_enabled(grads), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's mask-type and fast-path warnings
-        outs = call(mod, *leaves)
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    if not grads:
-        return outs, {}
-    g = torch.Generator().manual_seed(seed)
-    # the loss's weights drawn in float64 (the same numbers for an output of any float dtype)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)).sum() for o in outs if o is not None)
-    mod.zero_grad(set_to_none=True)
-    loss.backward()
-    named = {f"input {i}": x.grad for i, x in enumerate(leaves) if x is not None and x.requires_grad}
-    named.update((n, p.grad) for n, p in mod.named_parameters())
-    return outs, named
-
-
 def _outcome(mod, tensors, call, seed, grads):
-    """_run's result, or the exception it raised."""
+    """run_with_grads's result, or the exception it raised."""
     try:
-        return _run(mod, tensors, call, seed, grads)
+        return run_with_grads(mod, tensors, call, seed, grads)
     except Exception as err:  # noqa: BLE001 - compared with the other side's outcome
         return err
 
@@ -899,8 +871,8 @@ def test_norms_match_torch(case):
     # small against eps, x_hat and the input gradient come from cancellations whose rounding
     # error is rstd times the float32 epsilon: torch and fasttrans then differ from the exact
     # values, and from each other, by more than 1e-5.)
-    exact = _run(copy.deepcopy(t).double(), (base.detach().double().requires_grad_(base.requires_grad),), call,
-                 case["seed"], grads)
+    exact_input = base.detach().double().requires_grad_(base.requires_grad)
+    exact = run_with_grads(copy.deepcopy(t).double(), (exact_input,), call, case["seed"], grads)
     _assert_near_exact(got, want, exact, case["cls"])
 
 

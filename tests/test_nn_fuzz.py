@@ -33,7 +33,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fasttrans.nn as fnn
-from helpers import fuzz_settings
+from helpers import fuzz_settings, run_with_grads
 
 F64 = torch.float64
 TOL = {
@@ -183,48 +183,20 @@ def _perturb(mod, g):
                 p.copy_(0.5 * noise)
 
 
-def _leaves(tensors, grads):
-    """The inputs, those that require grad as fresh leaves (identity between inputs preserved,
-    strides too), the others as they are."""
-    seen = {}
-    for x in tensors:
-        if x is not None and id(x) not in seen:
-            seen[id(x)] = x.detach().clone().requires_grad_() if grads and x.requires_grad else x.detach()
-    return [None if x is None else seen[id(x)] for x in tensors]
-
-
-def _run(mod, tensors, call, seed, grads):
-    """(outputs, gradients by name) of one forward and the backward of a random loss."""
-    leaves = _leaves(tensors, grads)
-    with torch.set_grad_enabled(grads), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # mismatched mask types warn in both (tested in the grids)
-        outs = call(mod, *leaves)
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    if not grads:
-        return outs, {}
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs if o is not None)
-    mod.zero_grad()
-    loss.backward()
-    named = {f"input {i}": x.grad for i, x in enumerate(leaves) if x is not None and x.requires_grad}
-    named.update((n, p.grad) for n, p in mod.named_parameters())
-    return outs, named
-
-
 def _assert_same(t, f, tensors, call, seed, grads=True, equal_nan=False, keep=None, compare_grads=True):
     """torch's outcome: an error of torch's type, or outputs and (when grads) every gradient.
 
     ``keep`` masks the outputs to the positions where torch's results are documented to
     agree (None: everywhere)."""
     try:
-        out_t, g_t = _run(t, tensors, call, seed, grads)
+        out_t, g_t = run_with_grads(t, tensors, call, seed, grads)
     except Exception as err:  # torch rejects the call: fasttrans must, with torch's type
         with pytest.raises(Exception) as f_err:
-            _run(f, tensors, call, seed, grads)
+            run_with_grads(f, tensors, call, seed, grads)
         assert isinstance(f_err.value, type(err)), (
             f"torch raised {type(err).__name__}: {err}; fasttrans {type(f_err.value).__name__}: {f_err.value}")
         return
-    out_f, g_f = _run(f, tensors, call, seed, grads)
+    out_f, g_f = run_with_grads(f, tensors, call, seed, grads)
     assert len(out_f) == len(out_t)
     for i, (a, b) in enumerate(zip(out_f, out_t)):
         assert (a is None) == (b is None), f"output {i}"
