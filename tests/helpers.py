@@ -189,3 +189,18 @@ def run_with_grads(mod, tensors, call, seed: int, grads: bool):
     named = {f"input {i}": x.grad for i, x in enumerate(leaves) if x is not None and x.requires_grad}
     named.update((n, p.grad) for n, p in mod.named_parameters())
     return outs, named
+
+
+def perturb_parameters(mod, g: torch.Generator) -> None:
+    """Every parameter of ``mod`` drawn from ``g``: LayerNorm/RMSNorm weights near 1, other
+    matrices ~ 1/sqrt(fan_in), vectors ~ 0.5 N(0, 1)."""
+    norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
+    with torch.no_grad():
+        for name, p in mod.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if name.endswith("weight") and isinstance(mod.get_submodule(name.rpartition(".")[0]), norms):
+                p.copy_(1 + 0.3 * noise)
+            elif p.dim() == 2:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.5 * noise)

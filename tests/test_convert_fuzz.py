@@ -55,7 +55,7 @@ from torch import nn
 
 import fasttrans
 import fasttrans.nn as fnn
-from helpers import fuzz_settings, run_with_grads
+from helpers import fuzz_settings, perturb_parameters, run_with_grads
 
 F64, F32 = torch.float64, torch.float32
 TOL = {F64: dict(atol=1e-10, rtol=1e-10), F32: dict(atol=1e-5, rtol=1e-5)}
@@ -276,20 +276,6 @@ def convert_cases(draw, modes=("train", "eval", "inference"), whens=("before", "
     return case
 
 
-def _perturb(mod, g):
-    """Every parameter from the generator: norms near 1/0, other weights ~ 1/sqrt(fan_in)."""
-    with torch.no_grad():
-        for name, p in mod.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            if isinstance(mod.get_submodule(name.rpartition(".")[0]), (nn.LayerNorm, nn.RMSNorm)) \
-                    and name.endswith("weight"):
-                p.copy_(1 + 0.3 * noise)
-            elif p.dim() == 2:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.5 * noise)
-
-
 def _final_norm(case):
     E = case["E"]
     if case["final_norm"] == "layernorm":
@@ -440,7 +426,7 @@ def _build_model(case, g):
         model = nn.Sequential(nn.Linear(W, W, dtype=F64), core, _extra(case))
     else:
         model = core
-    _perturb(model, g)
+    perturb_parameters(model, g)
     deviates = _apply_mods(case, model, g)
     return model, opts, deviates
 

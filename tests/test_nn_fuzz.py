@@ -33,7 +33,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fasttrans.nn as fnn
-from helpers import fuzz_settings, run_with_grads
+from helpers import fuzz_settings, perturb_parameters, run_with_grads
 
 F64 = torch.float64
 TOL = {
@@ -170,19 +170,6 @@ def _seq(g, batched, batch_first, strided, n, length, dim):
 # --------------------------------------------------------------------------------------
 # the differential harness
 # --------------------------------------------------------------------------------------
-def _perturb(mod, g):
-    """Every parameter from the generator: norms near 1/0, other weights ~ 1/sqrt(fan_in)."""
-    with torch.no_grad():
-        for name, p in mod.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            if ".norm" in f".{name}" and name.endswith("weight"):
-                p.copy_(1 + 0.3 * noise)
-            elif p.dim() == 2:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.5 * noise)
-
-
 def _assert_same(t, f, tensors, call, seed, grads=True, equal_nan=False, keep=None, compare_grads=True):
     """torch's outcome: an error of torch's type, or outputs and (when grads) every gradient.
 
@@ -329,7 +316,7 @@ def _mha_pair(case, g):
                   add_bias_kv=case["add_bias_kv"], add_zero_attn=case["add_zero_attn"], kdim=case["kdim"],
                   vdim=case["vdim"], batch_first=case["batch_first"], dtype=F64)
     t = torch.nn.MultiheadAttention(**kwargs)
-    _perturb(t, g)
+    perturb_parameters(t, g)
     f = fnn.MultiheadAttention(**kwargs)
     f.load_state_dict(t.state_dict(), strict=True)
     return t, f
@@ -525,7 +512,7 @@ def _transformer_example(**overrides):
 def test_transformer_modules_match_torch(case):
     g = torch.Generator().manual_seed(case["seed"])
     t = _build(case, torch.nn)  # initialised from the global RNG, then every value replaced
-    _perturb(t, g)
+    perturb_parameters(t, g)
     f = _build(case, fnn)
     f.load_state_dict(t.state_dict(), strict=True)
     grads = _modes(case["mode"], t, f)
