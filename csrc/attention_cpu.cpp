@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -129,6 +130,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 std::optional<at::Tensor> canonical_mask(const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
                                          const at::Tensor& k) {
   if (!attn_mask.has_value() || !attn_mask->defined()) return std::nullopt;
+  checks::mask_broadcasts(*attn_mask, q.size(0), q.size(1), q.size(2), k.size(2));
   // expand() is a view: broadcast dims keep stride 0 and are never materialised
   return attn_mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
 }
@@ -605,6 +607,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   check_qkv(q, k, v);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ",
               q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
+  checks::floating(dout, "dout");
+  checks::floating(out, "out");
+  checks::floating(lse, "lse");
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
               "lse: expected shape (B, H, Lq) = ", q.sizes().slice(0, 3), ", got ", lse.sizes());
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 
+#include "checks.h"
 #include "cuda_launchers.h"
 #include "ops.h"
 #include "philox.h"
@@ -110,6 +111,7 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
         m = m.to(at::kFloat);
         a.mask_type = kern::MaskType::kFloat32;
     }
+    checks::mask_broadcasts(m, B, H, Lq, Lk);
     in.mask = m.expand({B, H, Lq, Lk});  // a view: broadcast dims keep stride 0
     a.mask = in.mask.data_ptr();
     a.m_sb = in.mask.stride(0);
@@ -167,6 +169,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
               "lse: expected shape (B, H, Lq) = ", q.sizes().slice(0, 3), ", got ", lse.sizes());
   TORCH_CHECK(!mask_grad || (in.mask.defined() && in.mask.scalar_type() != at::kBool),
               "mask_grad: the gradient of attn_mask needs a floating-point attn_mask");
+  checks::floating(dout, "dout");
+  checks::floating(out, "out");
+  checks::floating(lse, "lse");
   check_cuda(dout, q, "dout");
   check_cuda(out, q, "out");
   check_cuda(lse, q, "lse");
@@ -225,6 +230,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Te
     a.residual = r.data_ptr();
     a.ldr = r.stride(0);
   }
+  checks::param_numel(weight, "weight", N);
+  checks::param_numel(bias, "bias", N);
   // parameters as fp32 vectors: one tiny conversion instead of a kernel per parameter dtype
   at::Tensor w, b;
   if (weight.has_value() && weight->defined()) {
@@ -288,6 +295,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy, co
   TORCH_CHECK(rstd.numel() == M, "rstd: expected ", M, " elements, got shape ", rstd.sizes());
   check_cuda(rstd, h, "rstd");
   const at::Tensor rstd_c = rstd.to(at::kFloat).contiguous();
+  checks::param_numel(weight, "weight", N);
+  checks::param_numel(bias, "bias", N);
   at::Tensor w;
   if (weight.has_value() && weight->defined()) {
     check_cuda(*weight, h, "weight");

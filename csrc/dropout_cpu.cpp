@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 #include "philox_cpu.h"
@@ -125,6 +126,7 @@ std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p,
 
 at::Tensor dropout_bwd(const at::Tensor& dy_in, const at::Tensor& keep_in, double p) {
   check_probability(p);
+  checks::floating(dy_in, "dy");
   TORCH_CHECK(keep_in.scalar_type() == at::kBool, "keep: expected a bool tensor, got ", keep_in.scalar_type());
   TORCH_CHECK(keep_in.sizes() == dy_in.sizes(), "keep: expected the shape of dy ", dy_in.sizes(), ", got ",
               keep_in.sizes());

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -700,6 +701,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
                                                         const std::optional<at::Tensor>& bias, const at::Tensor& mean,
                                                         const at::Tensor& rstd, bool rms) {
   TORCH_CHECK(h_in.dim() == 2, "h: expected a 2-D (M, N) tensor, got shape ", h_in.sizes());
+  checks::floating(h_in, "h");
   const at::Tensor h = unit_inner(h_in);
   const int64_t M = h.size(0), N = h.size(1);
   const at::ScalarType acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -720,6 +722,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   const at::Tensor rstd_c = rstd.to(acc).contiguous();
   const at::Tensor w = param_as(weight, "weight", N, acc);
   const bool want_dw = w.defined();
+  checks::param_numel(bias, "bias", N);
   const bool want_db = bias.has_value() && bias->defined();
 
   at::Tensor dx = at::empty({M, N}, h.options());

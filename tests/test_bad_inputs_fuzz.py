@@ -21,16 +21,14 @@ nothing returns NaN where the reference (fasttrans/reference.py) returns numbers
        only where the reference has NaN (where the reference has NaN the extension may have a
        number: the reference's autograd turns 0 * inf into NaN where the kernels skip a key).
    A call with no corruption must succeed: that is how the accepted edge cases are pinned
-   (the catalogs below say which inputs are legitimately accepted). Two places deviate from
-   "equal to the reference", both for rounding, not for behaviour:
-     * LayerNorm rows of one repeated value are compared with their exact value (the bias, NaN
-       for eps = 0) instead, since the reference normalises the rounding noise of its mean
-       (test_layer_norm_of_constant_rows pins that);
-     * the norms' tolerances grow with a row's condition (max|h| / std): rows of tiny spread
-       against their mean, with eps = 0, are ill-conditioned for any implementation.
+   (the catalogs below say which inputs are legitimately accepted). One place deviates from
+   "equal to the reference" for rounding, not for behaviour: the norms' tolerances grow with
+   a row's condition (max|h| / std), since rows of tiny spread against their mean, with
+   eps = 0, are ill-conditioned for any implementation.
    Inputs that hit a known problem are kept out of the draws and pinned by a strict xfail
    each (section 1d): finite scales near the float32 range or subnormal, an inf in v, values
-   whose squares overflow, and the gradients of rows of huge (finite) scores.
+   whose squares overflow, and the gradients of rows of huge (finite) scores. The raw ops
+   have none left.
 2. The raw registered ops (torch.ops.fasttrans.*_extension, padding_key_lengths,
    is_causal_mask), which skip every Python check, are called with malformed inputs in a
    subprocess (a crash would kill pytest): hand-written cases with an expected outcome, and
@@ -41,7 +39,7 @@ torch.Generator seeded by a drawn seed, so a failing example reproduces as print
 FASTTRANS_FUZZ_EXAMPLES=n draws n fresh random examples per test instead, for long runs (and
 as many random raw-op calls per op, from a fresh seed).
 
-Known problems are pinned by the strict xfails at the end of each part (see their reasons).
+Known problems are pinned by the strict xfails of section 1d (see their reasons).
 """
 
 from __future__ import annotations
@@ -1203,8 +1201,14 @@ RAW_CASES = {
     "abwd-heads-not-dividing": (_ab(k="T((2, 3, 7, 8))", v="T((2, 3, 7, 8))"), "error:k"),
     "abwd-mask-grad-float-mask": (_ab(mask="torch.zeros(5, 7)", mask_grad="True"), "ok"),
     "abwd-dout-double": (_ab(dout="do.double()"), "ok"),  # converted to the accumulation dtype
-    "abwd-out-int": (_ab(out="out.int()"), "ok"),
-    "abwd-lse-int": (_ab(lse="lse.int()"), "ok"),
+    "abwd-out-int": (_ab(out="out.int()"), "error:out"),
+    "abwd-lse-int": (_ab(lse="lse.int()"), "error:lse"),
+    "abwd-dout-int": (_ab(dout="do.int()"), "error:dout"),
+    "afwd-mask-wrong-shape": (_a(mask="torch.ones(5, 6, dtype=torch.bool)"), "error:attn_mask"),
+    "afwd-mask-rank5": (_a(mask="torch.ones(1, 2, 4, 5, 7, dtype=torch.bool)"), "error:attn_mask"),
+    "nbwd-h-int": (_nb(h="h.int()", dy="dy.int()"), "error:h"),
+    "nbwd-bias-numel": (_nb(b="b[:3]"), "error:bias"),
+    "dbwd-dy-int": ("DB(x.int(), keep, 0.5)", "error:dy"),
     "abwd-lse-nan": (_ab(lse="torch.full_like(lse, math.nan)"), "ok"),
     "abwd-stride0-everywhere": (_ab(dout="T((2, 4, 5, 8), layout='z')", q="T((2, 4, 5, 8), layout='z')",
                                     k="T((2, 2, 7, 8), layout='z')", v="T((2, 2, 7, 8), layout='z')",
@@ -1338,30 +1342,6 @@ RAW_CASES = {
     "nbwd-meta-bias": (_nb(b="meta(b)"), "error:bias"),
     "dbwd-meta-keep": ("DB(x, meta(keep), 0.5)", "error:keep"),
 }
-# Known gaps (reported): a strict xfail each, so that a fix shows up as XPASS.
-RAW_KNOWN = {
-    # errors that name no argument
-    "afwd-mask-wrong-shape": (_a(mask="torch.ones(5, 6, dtype=torch.bool)"), "error:attn_mask",
-                              "a mask that does not broadcast fails in expand() ('The expanded size of the tensor "
-                              "(7) must match ...'), which names no argument"),
-    "afwd-mask-rank5": (_a(mask="torch.ones(1, 2, 4, 5, 7, dtype=torch.bool)"), "error:attn_mask",
-                        "a 5-D mask fails in expand() ('the number of sizes provided (4) must be greater or "
-                        "equal ...'), which names no argument"),
-    "abwd-dout-int": (_ab(dout="do.int()"), "error:dout",
-                      "dout of an integer dtype: '\"attention_transpose\" not implemented for 'Int'' (AT_DISPATCH "
-                      "names a kernel, not dout)"),
-    "nbwd-h-int": (_nb(h="h.int()", dy="dy.int()"), "error:h",
-                   "h of an integer dtype: '\"norm_bwd_extension\" not implemented for 'Int'' (names the op, not h)"),
-    "dbwd-dy-int": ("DB(x.int(), keep, 0.5)", "error:dy",
-                    "dy of an integer dtype: '\"dropout_extension\" not implemented for 'Int'' (names a kernel, "
-                    "not dy)"),
-    "nbwd-bias-numel": (_nb(b="b[:3]"), "error:bias",
-                        "norm_bwd_extension does not check bias: a wrong size fails in a view (\"shape '[3]' is "
-                        "invalid for input of size 40\"), which names no argument"),
-}
-assert not set(RAW_KNOWN) & set(RAW_CASES)
-
-
 # Drawn raw calls: shapes near the valid ones with one or two things off, every dtype and
 # layout, scalars anywhere in their range. They only must not crash (any exception a
 # RuntimeError); the values are not checked.
@@ -1427,7 +1407,6 @@ _RAW_PER_OP = int(_LONG_RUN) if _LONG_RUN else 200
 def raw_results():
     """The outcome of every raw case, hand-written and drawn, from one child (more after a crash)."""
     cases = [(cid, expr) for cid, (expr, _) in RAW_CASES.items()]
-    cases += [(cid, spec[0]) for cid, spec in RAW_KNOWN.items()]
     cases += _raw_random_cases(random.Random(_RAW_SEED), _RAW_PER_OP)
     results = _run_raw(cases)
     missing = [cid for cid, _ in cases if cid not in results]
@@ -1452,12 +1431,6 @@ def _check_raw(cid: str, outcome: tuple, expect: str) -> None:
 @pytest.mark.parametrize("cid", list(RAW_CASES))
 def test_raw_op_case(raw_results, cid):
     _check_raw(cid, raw_results[cid], RAW_CASES[cid][1])
-
-
-@pytest.mark.parametrize("cid", [pytest.param(cid, marks=pytest.mark.xfail(strict=True, reason=spec[2]))
-                                 for cid, spec in RAW_KNOWN.items()])
-def test_raw_op_known_gap(raw_results, cid):
-    _check_raw(cid, raw_results[cid], RAW_KNOWN[cid][1])
 
 
 def test_raw_ops_on_drawn_calls_never_crash(raw_results):

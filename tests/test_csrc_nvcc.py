@@ -100,3 +100,33 @@ def test_launcher_header_needs_no_cuda_or_torch(tmp_path):
     for name in SOURCES:
         includes = re.findall(r'#include [<"]([^>"]+)[>"]', (Path(source_dir()) / name).read_text())
         assert not [i for i in includes if i.startswith(("torch", "ATen", "c10"))], (name, includes)
+
+
+def test_cuda_binding_compiles_against_this_torch(tmp_path):
+    """cuda_binding.cpp, the torch side of the CUDA kernels, is built only where torch has CUDA.
+
+    A syntax-only compile against this torch's headers and the CUDA toolkit's keeps it honest
+    on CPU machines too. CPU builds of torch ship c10/cuda without the header that CMake
+    generates for it (c10/cuda/impl/cuda_cmake_macros.h, export macros only); an empty one
+    stands in for it when it is missing.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    nvcc = _nvcc()
+    if cxx is None or nvcc is None:
+        pytest.skip("needs a C++ compiler and nvcc (for the CUDA toolkit's headers)")
+    # nvcc names its own include directories (it may be a wrapper script around the real one)
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "probe.cu"], capture_output=True, text=True, cwd=tmp_path)
+    cuda_includes = re.findall(r'-I"?([^"\s]+)', "".join(re.findall(r"INCLUDES=(.*)", dry.stderr + dry.stdout)))
+    assert cuda_includes, f"nvcc --dryrun named no include directory:\n{dry.stderr[-2000:]}"
+    includes = [*include_paths(), *cuda_includes, str(source_dir())]
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").exists() for p in include_paths()):
+        stub = tmp_path / "c10/cuda/impl/cuda_cmake_macros.h"
+        stub.parent.mkdir(parents=True)
+        stub.write_text("#pragma once\n")
+        includes.append(str(tmp_path))
+    proc = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", *(f"-I{p}" for p in includes),
+                           "-DTORCH_EXTENSION_NAME=fasttrans_probe", str(source_dir() / "cuda_binding.cpp")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
