@@ -170,10 +170,17 @@ def layer_norm(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """LayerNorm over the trailing ``normalized_shape`` dims, statistics in fp32 (two-pass)."""
+    """LayerNorm over the trailing ``normalized_shape`` dims, statistics in fp32 (two-pass).
+
+    The mean is taken of the values shifted by each row's first one (a constant, so the
+    gradients are unchanged): a row of one repeated value then has exactly that mean and
+    variance 0, instead of the rounding noise of ``sum / N``.
+    """
     dims = tuple(range(-len(normalized_shape), 0))
     xf = x.to(accumulation_dtype(x))
-    mean = xf.mean(dim=dims, keepdim=True)
+    first = xf.flatten(xf.dim() - len(dims))[..., :1] if dims else xf.unsqueeze(-1)
+    shift = first.detach().reshape(*xf.shape[:xf.dim() - len(dims)], *(1,) * len(dims)) if first.numel() else 0.0
+    mean = shift + (xf - shift).mean(dim=dims, keepdim=True)
     var = (xf - mean).pow(2).mean(dim=dims, keepdim=True)  # centred: no E[x²]−E[x]² cancellation
     y = (xf - mean) * torch.rsqrt(var + eps)
     if weight is not None:
