@@ -97,6 +97,10 @@ MASK_BOOL = 1  # True (stored as uint8 1) = may attend
 MASK_FLOAT = 2  # added to the scaled scores
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x) = exp2(x * log2(e))
+# The largest float-mask magnitude that stays finite in log2 units (float32 max / log2(e),
+# rounded down): a finite mask value beyond it (torch.finfo(torch.float32).min, say) would
+# become an infinite score, masking for good what the other backends weigh.
+MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -183,7 +187,7 @@ BWD_DQ_CONFIGS = {
 FWD_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (64, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
         (128, "light"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 2)],
         (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
         (256, "light"): [_cfg(16, 16, 8, 1)],
@@ -342,7 +346,10 @@ def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
     if MASK_KIND == 1:  # MASK_BOOL: nonzero = may attend
         s = tl.where(mval != 0, s, float("-inf"))
     else:
-        s = s + mval.to(tl.float32) * LOG2E
+        mf = mval.to(tl.float32)
+        # finite values past MASK_LIMIT are clamped to it; infinities and NaN pass as they are
+        clamped = tl.clamp(mf, -MASK_LIMIT, MASK_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        s = s + tl.where(tl.abs(mf) == float("inf"), mf, clamped) * LOG2E
     return s
 
 
@@ -599,7 +606,9 @@ def _attention_bwd_dkdv_inner(
             if IS_CAUSAL:
                 allowed = allowed & (cols[:, None] <= rows[None, :] + causal_offset)
             s_t = tl.where(allowed, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        # query rows past Lq (loaded as q = 0, do = 0) carry no weight; 0 * inf in a key would
+        # otherwise make their scores NaN, and exp2(NaN - inf) NaN
+        p_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - lse2[None, :]), 0.0)
         if HAS_DROPOUT:
             keep_t = _dropout_keep(seed, dropout_threshold, off_b, off_h, rows[None, :], cols[:, None])
             inv_keep = 1.0 / (1.0 - dropout_p)

@@ -218,6 +218,50 @@ def test_key_length_zero_everywhere(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_huge_finite_float_mask_values_stay_finite(device):
+    """Scores are kept in log2 units, scale * log2(e) * (q . k + mask): a finite mask value
+    past float32 max / log2(e), torch.finfo(torch.float32).min for one, must not turn into an
+    infinite score (a row of them is not fully masked: the other backends and torch weigh it)."""
+    q = torch.tensor([[[[1.0, 0.0]]]], device=device)
+    k = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]], device=device)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]], device=device)
+    fmin = torch.finfo(torch.float32).min
+    for row in ([3e38, 0.0], [-3e38, -3e38], [fmin, fmin], [fmin, 0.0], [float("-inf"), fmin],
+                [float("-inf"), float("-inf")], [float("inf"), 0.0], [float("nan"), 0.0]):
+        mask = torch.tensor(row, device=device).view(1, 1, 1, 2)
+        with fasttrans.use_backend("triton"):
+            got = fasttrans.attention(q, k, v, attn_mask=mask)
+        want = reference.attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"mask row {row}: {m}")
+    # and through the backward, a padding mask filled with finfo.min (rows partly masked)
+    B, H, Lq, Lk, D = 2, 2, 11, 19, 8
+    q, k, v = _inputs(B, H, H, Lq, Lk, D, device)
+    mask = torch.zeros(B, 1, 1, Lk, device=device)
+    mask[0, ..., 13:] = fmin
+    mask[1, ..., :5] = fmin
+    _check(q, k, v, {"attn_mask": mask})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("Lq,causal_offset", [(3, 0), (15, -10), (17, -12), (16, -11)])
+def test_an_infinite_key_no_query_sees_gets_zero_gradients(Lq, causal_offset, device):
+    """The dK/dV kernel loads the query rows past Lq of a partial tile as zeros: 0 * inf in a
+    key must not make them NaN and reach dK and dV (the key is hidden: causal alignment)."""
+    Lk, D = 8, 4
+    q, k, v = (torch.randn(1, 1, L, D, device=device) for L in (Lq, Lk, Lk))
+    hidden = Lq + causal_offset  # the first key no query may see
+    k[0, 0, hidden, 0] = float("inf")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with fasttrans.use_backend("triton"):
+        out = fasttrans.attention(*leaves, is_causal=True, causal_offset=causal_offset)
+    dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn_like(out))
+    # dq = dS K takes 0 * inf in the hidden key's column, NaN as in the reference; not checked
+    assert torch.isfinite(out).all()
+    assert (dk[0, 0, hidden:] == 0).all() and (dv[0, 0, hidden:] == 0).all(), (dk[0, 0, hidden:], dv[0, 0, hidden:])
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_backward_is_deterministic(device):
     B, H, Hkv, Lq, Lk, D = 2, 2, 1, 37, 41, 16
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
