@@ -9,12 +9,13 @@ Forward
 With a residual, h = x + r is rounded to the input dtype (that rounded h is what the caller
 gets back and what the statistics see, exactly as ``x + residual`` in PyTorch), else h = x::
 
-    LayerNorm: mean = Σh / N      var = Σ(h - mean)² / N      xhat = (h - mean) · rstd
+    LayerNorm: mean = h₀ + Σ(h - h₀) / N      var = Σ(h - mean)² / N      xhat = (h - mean) · rstd
     RMSNorm:   mean = 0           var = Σh² / N               xhat = h · rstd
     rstd = 1 / sqrt(var + eps)    y = xhat · w + b
 
-The variance is centred (never E[h²] - E[h]², which cancels catastrophically when
-|mean| ≫ std). mean and rstd (fp32, one per row) are saved for the backward.
+with h₀ the row's first value, so that a row of one repeated value has exactly that mean
+(and xhat = 0, as torch). The variance is centred (never E[h²] - E[h]², which cancels
+catastrophically when |mean| ≫ std). mean and rstd (fp32, one per row) are saved for the backward.
 
 Rows up to MAX_FUSED_N elements are held in registers: one read of x (and r), one write of
 y (and h). Several rows share a program when N is small, so a program always has enough
@@ -221,7 +222,10 @@ def _norm_fwd_kernel(
         rstd = tl.rsqrt(var + eps)
         xhat = h * rstd[:, None]
     else:
-        mean = tl.sum(h, axis=1) / N
+        # the mean of h about each row's first value: exact for a row of one repeated value
+        # (sum / N is not: 0.3 * 100 / 100 != 0.3), whose xhat must be 0, not rounding noise
+        first = tl.sum(tl.where(cols[None, :] == 0, h, 0.0), axis=1)
+        mean = first + tl.sum(tl.where(mask, h - first[:, None], 0.0), axis=1) / N
         diff = tl.where(mask, h - mean[:, None], 0.0)
         var = tl.sum(diff * diff, axis=1) / N
         rstd = tl.rsqrt(var + eps)
@@ -267,7 +271,13 @@ def _norm_fwd_split_kernel(
     h_row = H + row * stride_h_m
     y_row = Y + row * stride_y_m
 
-    # pass 1: statistics, chunk by chunk (Chan's combination of per-chunk mean and M2)
+    # pass 1: statistics, chunk by chunk (Chan's combination of per-chunk mean and M2), of
+    # h - first with first = h[0] (the rounded h): exact for a row of one repeated value
+    first = 0.0
+    if not IS_RMS:
+        first = tl.load(x_row).to(tl.float32)
+        if HAS_RESIDUAL:
+            first = (first + tl.load(r_row).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
     mean = tl.zeros((), dtype=tl.float32)
     m2 = tl.zeros((), dtype=tl.float32)  # Σ(h - mean)², or Σh² for RMSNorm
     n = tl.zeros((), dtype=tl.float32)  # elements combined so far
@@ -282,6 +292,7 @@ def _norm_fwd_split_kernel(
         if IS_RMS:
             m2 += tl.sum(h * h, axis=0)
         else:
+            h = tl.where(mask, h - first, 0.0)
             n_c = tl.sum(mask.to(tl.float32), axis=0)
             mean_c = tl.sum(h, axis=0) / n_c
             diff = tl.where(mask, h - mean_c, 0.0)
@@ -291,6 +302,7 @@ def _norm_fwd_split_kernel(
             m2 += tl.sum(diff * diff, axis=0) + delta * delta * (n * (n_c / n_ac))
             n = n_ac
     rstd = tl.rsqrt(m2 / N + eps)
+    mean = first + mean
     if not IS_RMS:
         tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
