@@ -25,6 +25,8 @@ nothing returns NaN where the reference (fasttrans/reference.py) returns numbers
    "equal to the reference" for rounding, not for behaviour: the norms' tolerances grow with
    a row's condition (max|h| / std), since rows of tiny spread against their mean, with
    eps = 0, are ill-conditioned for any implementation.
+   The valid draws also run on the Triton kernels (test_triton_*_edge_inputs: float32 and
+   float16, through the interpreter without a GPU).
    Inputs that hit a known problem are kept out of the draws and pinned by a strict xfail
    each (section 1d): finite scales near the float32 range or subnormal, an inf in v, values
    whose squares overflow, and the gradients of rows of huge (finite) scores. The raw ops
@@ -218,18 +220,19 @@ def _check_error(err: BaseException, allowed: set[str], backend: str, case) -> N
         f"{type(err).__name__}: {err}\ncase: {case}")
 
 
-def _judge(case, run, compare, unavailable: tuple[str, ...] = ()):
-    """Run ``run(backend)`` on both backends and apply the rules of the module docstring.
+def _judge(case, run, compare, unavailable: tuple[str, ...] = (), backend: str = "extension"):
+    """Run ``run(backend)`` on ``backend`` and the reference and apply the rules of the module
+    docstring.
 
     ``case['allowed']``: the names an error may name (empty: the call is valid and must succeed).
-    ``unavailable``: the reasons for which the extension may refuse a valid call
+    ``unavailable``: the reasons for which ``backend`` may refuse a valid call
     (BackendUnavailableError), the message saying so.
     """
     allowed = case["allowed"]
-    results = {b: run(b) for b in ("extension", "reference")}
-    (ek, ev), (rk, rv) = results["extension"], results["reference"]
+    results = {b: run(b) for b in (backend, "reference")}
+    (ek, ev), (rk, rv) = results[backend], results["reference"]
     if ek == "error" and isinstance(ev, BackendUnavailableError) and unavailable:
-        assert any(why in str(ev) for why in unavailable), f"extension: unexpected {ev}\ncase: {case}"
+        assert any(why in str(ev) for why in unavailable), f"{backend}: unexpected {ev}\ncase: {case}"
         if rk == "error":
             _check_error(rv, allowed, "reference", case)
         return
@@ -240,7 +243,7 @@ def _judge(case, run, compare, unavailable: tuple[str, ...] = ()):
             _check_error(value, allowed, backend, case)
     if ek == "error" or rk == "error":
         assert ek == rk == "error", (
-            f"extension {ek} ({ev if ek == 'error' else 'outputs'}), reference {rk} "
+            f"{backend} {ek} ({ev if ek == 'error' else 'outputs'}), reference {rk} "
             f"({rv if rk == 'error' else 'outputs'})\ncase: {case}")
         assert (type(ev), str(ev)) == (type(rv), str(rv)), f"the backends disagree: {ev!r} vs {rv!r}\ncase: {case}"
         return
@@ -525,7 +528,7 @@ def test_attention_bad_inputs(corruption, data):
     _check_attention(data.draw(attention_cases(corruption), label="case"))
 
 
-def _check_attention(case):
+def _check_attention(case, backend="extension"):
     q, k, v, kw, inputs = _attention_args(case)
     run = _run_with_grads(lambda: fasttrans.attention(q, k, v, **kw), inputs, case["dtype"], case["seed"], True)
 
@@ -537,7 +540,24 @@ def _check_attention(case):
             _compare(f"gradient {i}", a, b, _scaled(_grad_tol(b.dtype, case["dtype"]), c) if b is not None else {})
 
     # the extension runs neither meta tensors nor head dims past 256 (documented); the reference does
-    _judge(case, run, compare, unavailable=("does not support device type 'meta'", "head dim"))
+    _judge(case, run, compare, unavailable=("does not support device type 'meta'", "head dim"), backend=backend)
+
+
+# The same valid edge inputs through the Triton kernels (without a GPU: Triton's interpreter,
+# tests/conftest.py), which have no float64, and whose bfloat16 results the interpreter
+# rounds differently from a GPU (its float32 -> bfloat16 casts truncate), so bfloat16 is
+# checked only on CUDA (pytest -m gpu runs the Triton test files there).
+_TRITON_WHY = fasttrans.backends.BACKENDS["triton"].unavailable_reason("cpu", "attention")
+_TRITON_DTYPES = (torch.float32, torch.float16)
+needs_triton = pytest.mark.skipif(_TRITON_WHY is not None, reason=f"triton: {_TRITON_WHY}")
+
+
+@needs_triton
+@_fuzz(200)
+@given(case=attention_cases().filter(lambda c: c["dtype"] in _TRITON_DTYPES))
+def test_triton_attention_edge_inputs(case):
+    """Valid calls, edge cases included, on the Triton kernels: they must match the reference."""
+    _check_attention(case, "triton")
 
 
 # --------------------------------------------------------------------------------------
@@ -729,7 +749,7 @@ def test_norms_bad_inputs(corruption, data):
     _check_norm(data.draw(norm_cases(corruption), label="case"))
 
 
-def _check_norm(case):
+def _check_norm(case, backend="extension"):
     call, inputs, x, r, ns, w, b, eps = _norm_args(case)
     run = _run_with_grads(call, inputs, case["dtype"], case["seed"], True)
 
@@ -759,7 +779,15 @@ def _check_norm(case):
             else:
                 _compare(f"gradient {i}", a, b_, {})
 
-    _judge(case, run, compare, unavailable=("does not support device type 'meta'",))
+    _judge(case, run, compare, unavailable=("does not support device type 'meta'",), backend=backend)
+
+
+@needs_triton
+@_fuzz(300)
+@given(case=norm_cases().filter(lambda c: c["dtype"] in _TRITON_DTYPES))
+def test_triton_norms_edge_inputs(case):
+    """Valid calls, edge cases included, on the Triton kernels: they must match the reference."""
+    _check_norm(case, "triton")
 
 
 # --------------------------------------------------------------------------------------
