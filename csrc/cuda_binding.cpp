@@ -100,6 +100,7 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   a.mask_type = kern::MaskType::kNone;
   if (attn_mask.has_value() && attn_mask->defined()) {
     check_cuda(*attn_mask, q_in, "attn_mask");
+    checks::mask_broadcasts(*attn_mask, B, H, Lq, Lk);
     at::Tensor m = *attn_mask;
     switch (m.scalar_type()) {
       case at::kBool: a.mask_type = kern::MaskType::kBool; break;
@@ -111,7 +112,6 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
         m = m.to(at::kFloat);
         a.mask_type = kern::MaskType::kFloat32;
     }
-    checks::mask_broadcasts(m, B, H, Lq, Lk);
     in.mask = m.expand({B, H, Lq, Lk});  // a view: broadcast dims keep stride 0
     a.mask = in.mask.data_ptr();
     a.m_sb = in.mask.stride(0);
@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Te
     a.ldr = r.stride(0);
   }
   checks::param_numel(weight, "weight", N);
-  checks::param_numel(bias, "bias", N);
+  if (!rms) checks::param_numel(bias, "bias", N);  // RMSNorm ignores bias, as on the CPU
   // parameters as fp32 vectors: one tiny conversion instead of a kernel per parameter dtype
   at::Tensor w, b;
   if (weight.has_value() && weight->defined()) {

@@ -658,7 +658,7 @@ at::Tensor unit_inner(const at::Tensor& t) {
 // weight / bias as contiguous (N,) vectors in the accumulation dtype, or undefined.
 at::Tensor param_as(const std::optional<at::Tensor>& p, const char* name, int64_t N, at::ScalarType acc) {
   if (!p.has_value() || !p->defined()) return at::Tensor();
-  TORCH_CHECK(p->numel() == N, name, ": expected ", N, " elements (the normalized size), got shape ", p->sizes());
+  checks::param_numel(p, name, N);
   // the usual case, already a contiguous (N,) vector in acc, without the three no-op calls
   // (about a microsecond: a norm over one short row costs a few)
   if (p->dim() == 1 && p->scalar_type() == acc && p->is_contiguous()) return *p;
