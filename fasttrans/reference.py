@@ -178,8 +178,7 @@ def layer_norm(
     """
     dims = tuple(range(-len(normalized_shape), 0))
     xf = x.to(accumulation_dtype(x))
-    first = xf.flatten(xf.dim() - len(dims))[..., :1] if dims else xf.unsqueeze(-1)
-    shift = first.detach().reshape(*xf.shape[:xf.dim() - len(dims)], *(1,) * len(dims)) if first.numel() else 0.0
+    shift = xf[(..., *(slice(0, 1),) * len(dims))].detach()  # each row's first value, kept dims
     mean = shift + (xf - shift).mean(dim=dims, keepdim=True)
     var = (xf - mean).pow(2).mean(dim=dims, keepdim=True)  # centred: no E[x²]−E[x]² cancellation
     y = (xf - mean) * torch.rsqrt(var + eps)
