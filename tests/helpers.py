@@ -204,3 +204,32 @@ def perturb_parameters(mod, g: torch.Generator) -> None:
                 p.copy_(noise / p.shape[1] ** 0.5)
             else:
                 p.copy_(0.5 * noise)
+
+
+TRANSFORMER_KINDS = ("encoder_layer", "decoder_layer", "encoder", "decoder", "transformer")
+
+
+def transformer_module(lib, case: dict, final_norm, transformer_layers: int | None = None):
+    """lib's (torch.nn or fasttrans.nn) module of kind case["kind"], one of TRANSFORMER_KINDS,
+    in float64, from a drawn case's options (E, H, ff, dropout, activation, eps, batch_first,
+    norm_first, bias, layers, enable_nested_tensor; final_norm for the stacks).
+    ``transformer_layers``: encoder and decoder layers of a Transformer (case["layers"] if None)."""
+    E, H, kind, n = case["E"], case["H"], case["kind"], case["layers"]
+    layer = dict(dim_feedforward=case["ff"], dropout=case["dropout"], activation=case["activation"],
+                 layer_norm_eps=case["eps"], batch_first=case["batch_first"], norm_first=case["norm_first"],
+                 bias=case["bias"], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "enable_nested_tensor is True, but ..."
+        if kind == "encoder_layer":
+            return lib.TransformerEncoderLayer(E, H, **layer)
+        if kind == "decoder_layer":
+            return lib.TransformerDecoderLayer(E, H, **layer)
+        if kind == "encoder":
+            return lib.TransformerEncoder(lib.TransformerEncoderLayer(E, H, **layer), n, final_norm,
+                                          enable_nested_tensor=case["enable_nested_tensor"])
+        if kind == "decoder":
+            return lib.TransformerDecoder(lib.TransformerDecoderLayer(E, H, **layer), n, final_norm)
+        if kind == "transformer":
+            t = n if transformer_layers is None else transformer_layers
+            return lib.Transformer(E, H, t, t, **layer)
+    raise ValueError(f"kind: expected one of {TRANSFORMER_KINDS}, got {kind!r}")

@@ -55,7 +55,7 @@ from torch import nn
 
 import fasttrans
 import fasttrans.nn as fnn
-from helpers import fuzz_settings, perturb_parameters, run_with_grads
+from helpers import fuzz_settings, perturb_parameters, run_with_grads, TRANSFORMER_KINDS, transformer_module
 
 F64, F32 = torch.float64, torch.float32
 TOL = {F64: dict(atol=1e-10, rtol=1e-10), F32: dict(atol=1e-5, rtol=1e-5)}
@@ -287,22 +287,8 @@ def _final_norm(case):
 
 def _build_core(case):
     kind, E, H = case["kind"], case["E"], case["H"]
-    lk = dict(dim_feedforward=case["ff"], dropout=case["dropout"], activation=case["activation"],
-              layer_norm_eps=case["eps"], batch_first=case["batch_first"], norm_first=case["norm_first"],
-              bias=case["bias"], dtype=F64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch: "enable_nested_tensor is True, but ..."
-        if kind == "encoder_layer":
-            return nn.TransformerEncoderLayer(E, H, **lk)
-        if kind == "decoder_layer":
-            return nn.TransformerDecoderLayer(E, H, **lk)
-        if kind == "encoder":
-            return nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, **lk), case["layers"], _final_norm(case),
-                                         enable_nested_tensor=case["enable_nested_tensor"])
-        if kind == "decoder":
-            return nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, **lk), case["layers"], _final_norm(case))
-        if kind == "transformer":
-            return nn.Transformer(E, H, case["layers"], case["layers"], **lk)
+    if kind in TRANSFORMER_KINDS:
+        return transformer_module(nn, case, _final_norm(case))
     if kind == "mha":
         return nn.MultiheadAttention(E, H, dropout=case["dropout"], bias=case["bias"], add_bias_kv=case["add_bias_kv"],
                                      add_zero_attn=case["add_zero_attn"], kdim=case["kdim"], vdim=case["vdim"],

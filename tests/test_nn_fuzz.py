@@ -24,7 +24,6 @@ torch.Generator seeded by a drawn seed, so a failing example reproduces as print
 FASTTRANS_FUZZ_EXAMPLES=n draws n fresh random examples per test instead, for long runs.
 """
 
-import warnings
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fasttrans.nn as fnn
-from helpers import fuzz_settings, perturb_parameters, run_with_grads
+from helpers import fuzz_settings, perturb_parameters, run_with_grads, transformer_module
 
 F64 = torch.float64
 TOL = {
@@ -425,23 +424,8 @@ def transformer_cases(draw):
 
 
 def _build(case, lib):
-    layer_kwargs = dict(dim_feedforward=case["ff"], dropout=case["dropout"], activation=case["activation"],
-                        layer_norm_eps=case["eps"], batch_first=case["batch_first"], norm_first=case["norm_first"],
-                        bias=case["bias"], dtype=F64)
-    E, H, kind = case["E"], case["H"], case["kind"]
-    norm = lib.LayerNorm(E, eps=case["eps"], bias=case["bias"], dtype=F64) if case["final_norm"] else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch: "enable_nested_tensor is True, but ..."
-        if kind == "encoder_layer":
-            return lib.TransformerEncoderLayer(E, H, **layer_kwargs)
-        if kind == "decoder_layer":
-            return lib.TransformerDecoderLayer(E, H, **layer_kwargs)
-        if kind == "encoder":
-            return lib.TransformerEncoder(lib.TransformerEncoderLayer(E, H, **layer_kwargs), case["layers"], norm,
-                                          enable_nested_tensor=case["enable_nested_tensor"])
-        if kind == "decoder":
-            return lib.TransformerDecoder(lib.TransformerDecoderLayer(E, H, **layer_kwargs), case["layers"], norm)
-        return lib.Transformer(E, H, 1, 1, **layer_kwargs)
+    norm = lib.LayerNorm(case["E"], eps=case["eps"], bias=case["bias"], dtype=F64) if case["final_norm"] else None
+    return transformer_module(lib, case, norm, transformer_layers=1)
 
 
 _ARG = {  # the forward's names of the masks and hints of each module kind
