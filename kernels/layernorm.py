@@ -178,6 +178,16 @@ def _multiprocessors(index: int) -> int:
 # Kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _first_h(x_ptrs, r_ptrs, ok, H, HAS_RESIDUAL: tl.constexpr):
+    """h at the first column of rows, fp32 (0 where not ok): x, or x + r rounded to h's dtype
+    as the stored h is. The LayerNorm statistics are taken about it."""
+    first = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        first = (first + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+    return first
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X,  # input, (M, N), row stride stride_x_m
     R,  # residual, (M, N) (unused unless HAS_RESIDUAL)
@@ -224,7 +234,7 @@ def _norm_fwd_kernel(
     else:
         # the mean of h about each row's first value: exact for a row of one repeated value
         # (sum / N is not: 0.3 * 100 / 100 != 0.3), whose xhat must be 0, not rounding noise
-        first = tl.sum(tl.where(cols[None, :] == 0, h, 0.0), axis=1)
+        first = _first_h(X + rows * stride_x_m, R + rows * stride_r_m, row_mask, H, HAS_RESIDUAL)
         mean = first + tl.sum(tl.where(mask, h - first[:, None], 0.0), axis=1) / N
         diff = tl.where(mask, h - mean[:, None], 0.0)
         var = tl.sum(diff * diff, axis=1) / N
@@ -275,9 +285,7 @@ def _norm_fwd_split_kernel(
     # h - first with first = h[0] (the rounded h): exact for a row of one repeated value
     first = 0.0
     if not IS_RMS:
-        first = tl.load(x_row).to(tl.float32)
-        if HAS_RESIDUAL:
-            first = (first + tl.load(r_row).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+        first = _first_h(x_row, r_row, True, H, HAS_RESIDUAL)
     mean = tl.zeros((), dtype=tl.float32)
     m2 = tl.zeros((), dtype=tl.float32)  # Σ(h - mean)², or Σh² for RMSNorm
     n = tl.zeros((), dtype=tl.float32)  # elements combined so far
