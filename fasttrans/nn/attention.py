@@ -215,42 +215,15 @@ class MultiheadAttention(Module):
             (N, H, L, S') per head ((L, S') / (H, L, S') unbatched) when need_weights, where
             S' = S + add_bias_kv + add_zero_attn; else None.
         """
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise AssertionError(
-                "fasttrans.nn.MultiheadAttention does not support NestedTensor inputs (query, key, value)"
-            )
-        _masks.check_mask_pair(key_padding_mask, attn_mask, "key_padding_mask", "attn_mask")
-        is_batched = self._check_dims(query, key, value, key_padding_mask, attn_mask)
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                "Need attn_mask if specifying the is_causal hint. "
-                "You may use the Transformer module method "
-                "`generate_square_subsequent_mask` to create this mask."
-            )
-
         # which projections can share a GEMM, decided before unsqueezing makes new tensors
         kv_same = key is value
         qkv_same = kv_same and query is key
-        # From here on the batch is explicit; seq_first says where it sits: (L, N, E) or (N, L, E).
-        seq_first = not (self.batch_first and is_batched)
-        if not is_batched:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
+        query, key, value, key_padding_mask, is_batched, seq_first = self._batched_inputs(
+            query, key, value, key_padding_mask, attn_mask, need_weights, is_causal)
         n_dim, l_dim = (1, 0) if seq_first else (0, 1)
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
         H = self.num_heads
-        # the float mask dtypes torch's ops take: the query's for baddbmm (weights), also
-        # float32 for scaled_dot_product_attention; none when torch drops attn_mask under a
-        # causal hint
-        if need_weights:
-            mask_dtypes = (query.dtype,)
-        elif is_causal and key_padding_mask is None:
-            mask_dtypes = None
-        else:
-            mask_dtypes = (query.dtype, torch.float32)
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
 
         q, k, v = self._in_projection(query, key, value, qkv_same, kv_same, seq_first)  # (N, H, L|S, D)
         extra = 0
@@ -284,6 +257,40 @@ class MultiheadAttention(Module):
             if weights is not None:
                 weights = weights.squeeze(0)
         return out, weights
+
+    def _batched_inputs(self, query, key, value, key_padding_mask, attn_mask, need_weights, is_causal):
+        """forward's checks on its arguments (torch's errors, same types), then query, key,
+        value and key_padding_mask with an explicit batch dim, whether the input was batched,
+        and seq_first: where that batch dim sits ((L, N, E) when True, else (N, L, E))."""
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise AssertionError(
+                "fasttrans.nn.MultiheadAttention does not support NestedTensor inputs (query, key, value)"
+            )
+        _masks.check_mask_pair(key_padding_mask, attn_mask, "key_padding_mask", "attn_mask")
+        is_batched = self._check_dims(query, key, value, key_padding_mask, attn_mask)
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. "
+                "You may use the Transformer module method "
+                "`generate_square_subsequent_mask` to create this mask."
+            )
+        seq_first = not (self.batch_first and is_batched)
+        if not is_batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        n_dim, l_dim = (1, 0) if seq_first else (0, 1)
+        # the float mask dtypes torch's ops take: the query's for baddbmm (weights), also
+        # float32 for scaled_dot_product_attention; none when torch drops attn_mask under a
+        # causal hint
+        if need_weights:
+            mask_dtypes = (query.dtype,)
+        elif is_causal and key_padding_mask is None:
+            mask_dtypes = None
+        else:
+            mask_dtypes = (query.dtype, torch.float32)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
+        return query, key, value, key_padding_mask, is_batched, seq_first
 
     def _check_dims(self, query, key, value, key_padding_mask, attn_mask) -> bool:
         """torch's _mha_shape_check (AssertionError, as torch); returns whether the input is batched."""
