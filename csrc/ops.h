@@ -4,6 +4,7 @@
 // Absent optional outputs are returned as empty tensors of shape (0,).
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -37,6 +38,16 @@ FASTTRANS_DECLARE_OPS
 // mask translation helpers (masks_cpu.cpp): CPU only
 at::Tensor padding_key_lengths(const at::Tensor& key_padding_mask);
 bool is_causal_mask(const at::Tensor& mask);
+// one encoder or decoder layer's inference forward (layer_cpu.cpp): CPU only
+at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Tensor>& memory,
+                                 at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                                 const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                 const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                 at::ArrayRef<double> norm_eps, const std::optional<at::Tensor>& self_mask,
+                                 const std::optional<at::Tensor>& self_key_lengths, bool self_is_causal,
+                                 const std::optional<at::Tensor>& cross_mask,
+                                 const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
+                                 int64_t num_heads, int64_t activation, bool norm_first, bool seq_first);
 }  // namespace cpu
 
 namespace cuda {

@@ -27,6 +27,12 @@ TORCH_LIBRARY(fasttrans, m) {
   // fasttrans.nn's mask translation helpers (masks_cpu.cpp), for CPU masks
   m.def("padding_key_lengths(Tensor key_padding_mask) -> Tensor");
   m.def("is_causal_mask(Tensor mask) -> bool");
+  // fasttrans.nn's inference path for a whole encoder or decoder layer (layer_cpu.cpp)
+  m.def(
+      "transformer_layer_fwd_extension(Tensor x, Tensor? memory, Tensor[] weights, Tensor?[] biases, "
+      "Tensor?[] norm_weights, Tensor?[] norm_biases, float[] norm_eps, Tensor? self_mask, "
+      "Tensor? self_key_lengths, bool self_is_causal, Tensor? cross_mask, Tensor? cross_key_lengths, "
+      "bool cross_is_causal, int num_heads, int activation, bool norm_first, bool seq_first) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
@@ -39,4 +45,5 @@ TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
   m.impl("dropout_bwd_extension", &fasttrans::cpu::dropout_bwd);
   m.impl("padding_key_lengths", &fasttrans::cpu::padding_key_lengths);
   m.impl("is_causal_mask", &fasttrans::cpu::is_causal_mask);
+  m.impl("transformer_layer_fwd_extension", &fasttrans::cpu::transformer_layer_fwd);
 }

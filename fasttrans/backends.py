@@ -838,6 +838,28 @@ def ops_for(name: str):
     return handles
 
 
+_layer_op: list = []  # the extension's whole-layer inference op, once registered
+
+
+def layer_inference_op():
+    """``torch.ops.fasttrans.transformer_layer_fwd_extension`` (csrc/layer_cpu.cpp): one
+    encoder or decoder layer's inference forward on the CPU. Loads the extension and gives
+    the op its fake implementation on first use. It has no autograd formula: callers use it
+    only when no input needs a gradient."""
+    if not _layer_op:
+        ops_for("extension")
+
+        @register_fake("fasttrans::transformer_layer_fwd_extension")
+        def _(x, memory, weights, biases, norm_weights, norm_biases, norm_eps, self_mask, self_key_lengths,
+              self_is_causal, cross_mask, cross_key_lengths, cross_is_causal, num_heads, activation, norm_first,
+              seq_first):
+            _check_fake_devices(x=x, memory=memory, self_mask=self_mask, cross_mask=cross_mask)
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+        _layer_op.append(torch.ops.fasttrans.transformer_layer_fwd_extension)
+    return _layer_op[0]
+
+
 def dropout_ops_for(name: str):
     """The torch.ops handles (dropout_fwd, dropout_bwd) of a backend, registered on first use."""
     ops_for(name)

@@ -48,7 +48,8 @@ from . import __version__
 __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
 
 _NAME = "fasttrans_ext"
-_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp", "masks_cpu.cpp")
+_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp", "masks_cpu.cpp",
+                "layer_cpu.cpp")
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -60,6 +61,7 @@ _OPS = (
     "dropout_bwd_extension",
     "padding_key_lengths",
     "is_causal_mask",
+    "transformer_layer_fwd_extension",
 )
 
 

@@ -17,8 +17,11 @@ What differs is underneath: attention runs through ``fasttrans.nn.MultiheadAtten
 
 (the decoder has a cross-attention sublayer between the two, with LN2 -> LN3.)
 
-torch's inference fast paths (``torch._transformer_encoder_layer_fwd`` and nested tensors
-in TransformerEncoder) are not used: ``enable_nested_tensor`` is accepted and stored but
+In eval mode with nothing to differentiate, each encoder and decoder layer runs as one
+call of the extension's whole-layer op (``fasttrans/nn/_inference.py``): the same kernels
+in the same order, bit for bit the output of the path above, without its Python work
+between the ops. torch's inference fast paths (``torch._transformer_encoder_layer_fwd`` and
+nested tensors in TransformerEncoder) are not used: ``enable_nested_tensor`` is accepted and stored but
 has no effect, so in eval mode under no_grad the outputs at padded positions are computed
 values here where torch's nested-tensor path returns zeros there.
 """
@@ -36,7 +39,7 @@ from torch.nn.init import xavier_uniform_
 
 from .. import backends
 from .. import functional as FT
-from . import _masks
+from . import _inference, _masks
 from .attention import MultiheadAttention
 from .dropout import Dropout
 from .normalization import LayerNorm
@@ -193,6 +196,9 @@ class TransformerEncoderLayer(Module):
         warned = _masks.check_mask_pair(src_key_padding_mask, src_mask, "src_key_padding_mask", "src_mask")
         x = src
         with _masks.quiet_mask_warnings(warned):
+            fused = _inference.encoder_layer(self, src, src_mask, src_key_padding_mask, is_causal)
+            if fused is not None:
+                return fused
             if self.norm_first:
                 a = self.norm1(x)
                 a, x = _add_norm(self.norm2, self._sa_block(a, src_mask, src_key_padding_mask, is_causal=is_causal), x)
@@ -286,6 +292,10 @@ class TransformerDecoderLayer(Module):
             tgt_key_padding_mask: (N, T); memory_key_padding_mask: (N, S); bool True = padding.
             tgt_is_causal, memory_is_causal: hints that the masks are causal (masks still required).
         """
+        fused = _inference.decoder_layer(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                         memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        if fused is not None:
+            return fused
         x = tgt
         if self.norm_first:
             a = self.norm1(x)

@@ -1,0 +1,204 @@
+// One Transformer encoder or decoder layer's inference forward, on the CPU, in one op.
+//
+// fasttrans.nn's layers run this in eval mode when nothing needs a gradient: the same
+// computation as their module path (the same GEMM calls, this extension's attention and
+// Add & Norm kernels, in the same order), without the dozens of Python-level op calls
+// between them, which at a batch of one short sequence cost as much as the kernels.
+//
+//     post-norm (norm_first=false)          pre-norm (norm_first=true)
+//     x = LN1(x + SA(x))                    x = x + SA(LN1(x))
+//     x = LN2(x + CA(x, mem))   (decoder)   x = x + CA(LN2(x), mem)   (decoder)
+//     x = LNn(x + FF(x))                    x = x + FF(LNn(x))
+//
+// with SA/CA = out_proj(attention(in_proj(.))) and FF = linear2(act(linear1(.))); each
+// "LN(x + .)" is one add_layer_norm pass (norm_fwd with a residual), whose h is the
+// pre-norm residual stream. Dropout is absent: inference.
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/relu.h>
+
+#include <cmath>
+#include <optional>
+
+#include "ops.h"
+
+namespace fasttrans::cpu {
+namespace {
+
+struct AttentionArgs {
+  at::Tensor in_weight, out_weight;  // (3E, E), (E, E)
+  std::optional<at::Tensor> in_bias, out_bias;
+  std::optional<at::Tensor> mask, key_lengths;
+  bool is_causal;
+};
+
+std::optional<at::Tensor> optional_at(const c10::List<std::optional<at::Tensor>>& list, size_t i) {
+  std::optional<at::Tensor> t = list.get(i);
+  if (t.has_value() && !t->defined()) return std::nullopt;
+  return t;
+}
+
+std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, int64_t start, int64_t length) {
+  if (!t.has_value()) return std::nullopt;
+  return t->narrow(0, start, length);
+}
+
+// (A, B, H, D) in the caller's layout ((L, N) when seq_first, else (N, L)) -> (N, H, L, D) view
+at::Tensor split_heads(const at::Tensor& t, bool seq_first) {
+  return seq_first ? t.permute({1, 2, 0, 3}) : t.transpose(1, 2);
+}
+
+// x (A, B, E) attends itself (kv == nullptr) or kv (A', B, E): out_proj(attention(in_proj(.)))
+at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const AttentionArgs& a, int64_t H,
+                           bool seq_first) {
+  const int64_t E = x.size(2), D = E / H;
+  at::Tensor q, k, v;
+  if (kv == nullptr) {  // one (.., 3E) projection
+    const at::Tensor qkv = at::linear(x, a.in_weight, a.in_bias).view({x.size(0), x.size(1), 3, H, D});
+    q = qkv.select(2, 0);
+    k = qkv.select(2, 1);
+    v = qkv.select(2, 2);
+  } else {  // queries from x; keys and values share one (.., 2E) projection of kv
+    q = at::linear(x, a.in_weight.narrow(0, 0, E), narrowed(a.in_bias, 0, E)).view({x.size(0), x.size(1), H, D});
+    const at::Tensor pkv = at::linear(*kv, a.in_weight.narrow(0, E, 2 * E), narrowed(a.in_bias, E, 2 * E))
+                               .view({kv->size(0), kv->size(1), 2, H, D});
+    k = pkv.select(2, 0);
+    v = pkv.select(2, 1);
+  }
+  std::optional<at::Tensor> mask = a.mask;
+  if (mask.has_value() && mask->scalar_type() != at::kBool && mask->scalar_type() != x.scalar_type() &&
+      mask->scalar_type() != at::kFloat) {
+    mask = mask->to(x.scalar_type());  // the float mask dtypes the kernel reads
+  }
+  at::Tensor out = std::get<0>(attention_fwd(split_heads(q, seq_first), split_heads(k, seq_first),
+                                             split_heads(v, seq_first), mask, a.key_lengths, a.is_causal,
+                                             /*causal_offset=*/0, /*dropout_p=*/0.0,
+                                             1.0 / std::sqrt(static_cast<double>(D)), /*seed=*/0));
+  // (N, H, L, D) -> (A, B, H, D) rows of E features, then the output projection
+  out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).reshape({x.size(0), x.size(1), E});
+  return at::linear(out, a.out_weight, a.out_bias);
+}
+
+struct Norm {
+  std::optional<at::Tensor> weight, bias;
+  double eps;
+};
+
+// LN(x), or with a residual (y, h) = (LN(x + residual), x + residual) in one pass
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual, const Norm& n) {
+  const int64_t E = x.size(-1);
+  std::optional<at::Tensor> r;
+  if (residual != nullptr) r = residual->reshape({-1, E});
+  auto [y, h, mean, rstd] = norm_fwd(x.reshape({-1, E}), r, n.weight, n.bias, n.eps, /*rms=*/false);
+  return {y.view(x.sizes()), residual != nullptr ? h.view(x.sizes()) : h};
+}
+
+void check_weight(const at::Tensor& w, const char* name, int64_t rows, int64_t cols, const at::Tensor& x) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, name, ": expected shape (", rows, ", ", cols,
+              "), got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.device() == x.device(), name, ": expected ", x.scalar_type(),
+              " on ", x.device(), " (from x), got ", w.scalar_type(), " on ", w.device());
+}
+
+void check_vector(const std::optional<at::Tensor>& b, const char* name, int64_t size, const at::Tensor& x) {
+  if (!b.has_value()) return;
+  TORCH_CHECK(b->dim() == 1 && b->size(0) == size, name, ": expected shape (", size, ",), got ", b->sizes());
+  TORCH_CHECK(b->scalar_type() == x.scalar_type() && b->device() == x.device(), name, ": expected ",
+              x.scalar_type(), " on ", x.device(), " (from x), got ", b->scalar_type(), " on ", b->device());
+}
+
+}  // namespace
+
+at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Tensor>& memory,
+                                 at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                                 const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                 const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                 at::ArrayRef<double> norm_eps, const std::optional<at::Tensor>& self_mask,
+                                 const std::optional<at::Tensor>& self_key_lengths, bool self_is_causal,
+                                 const std::optional<at::Tensor>& cross_mask,
+                                 const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
+                                 int64_t num_heads, int64_t activation, bool norm_first, bool seq_first) {
+  const bool decoder = memory.has_value() && memory->defined();
+  const size_t n_linear = decoder ? 6 : 4, n_norm = decoder ? 3 : 2;
+  TORCH_CHECK(x.dim() == 3, "x: expected a 3-D (L, N, E) or (N, L, E) tensor, got shape ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: expected a floating-point dtype, got ", x.scalar_type());
+  TORCH_CHECK(weights.size() == n_linear && biases.size() == n_linear, "weights, biases: expected ", n_linear,
+              " of each (", decoder ? "a decoder layer" : "an encoder layer", "), got ", weights.size(), " and ",
+              biases.size());
+  TORCH_CHECK(norm_weights.size() == n_norm && norm_biases.size() == n_norm && norm_eps.size() == n_norm,
+              "norm_weights, norm_biases, norm_eps: expected ", n_norm, " of each, got ", norm_weights.size(), ", ",
+              norm_biases.size(), " and ", norm_eps.size());
+  TORCH_CHECK(activation >= 0 && activation <= 2, "activation: expected 0 (relu), 1 (gelu) or 2 (gelu, tanh), got ",
+              activation);
+  const int64_t E = x.size(2);
+  TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "num_heads: expected a positive divisor of the embedding size ",
+              E, ", got ", num_heads);
+  const int64_t F = weights[n_linear - 2].dim() == 2 ? weights[n_linear - 2].size(0) : -1;  // checked below
+  static const char* const kWeightNames[] = {"weights[0] (self-attention in_proj)", "weights[1] (self-attention out_proj)",
+                                             "weights[2] (cross-attention in_proj)", "weights[3] (cross-attention out_proj)"};
+  for (size_t i = 0; i + 2 < n_linear; ++i) {
+    const int64_t rows = i % 2 == 0 ? 3 * E : E;
+    check_weight(weights[i], kWeightNames[i], rows, E, x);
+    check_vector(optional_at(biases, i), "biases (attention)", rows, x);
+  }
+  check_weight(weights[n_linear - 2], "linear1 weight", F, E, x);
+  check_vector(optional_at(biases, n_linear - 2), "linear1 bias", F, x);
+  check_weight(weights[n_linear - 1], "linear2 weight", E, F, x);
+  check_vector(optional_at(biases, n_linear - 1), "linear2 bias", E, x);
+  std::vector<Norm> norms;
+  for (size_t i = 0; i < n_norm; ++i) {
+    check_vector(optional_at(norm_weights, i), "norm_weights", E, x);
+    check_vector(optional_at(norm_biases, i), "norm_biases", E, x);
+    TORCH_CHECK(norm_eps[i] >= 0 && std::isfinite(norm_eps[i]), "norm_eps: expected finite non-negative values, got ",
+                norm_eps[i]);
+    norms.push_back({optional_at(norm_weights, i), optional_at(norm_biases, i), norm_eps[i]});
+  }
+  if (decoder) {
+    TORCH_CHECK(memory->dim() == 3 && memory->size(seq_first ? 1 : 0) == x.size(seq_first ? 1 : 0) &&
+                    memory->size(2) == E,
+                "memory: expected the batch size and embedding size of x ", x.sizes(), ", got shape ",
+                memory->sizes());
+    TORCH_CHECK(memory->scalar_type() == x.scalar_type() && memory->device() == x.device(), "memory: expected ",
+                x.scalar_type(), " on ", x.device(), " (from x), got ", memory->scalar_type(), " on ",
+                memory->device());
+  }
+
+  const AttentionArgs self_attn{weights[0], weights[1], optional_at(biases, 0), optional_at(biases, 1),
+                                self_mask, self_key_lengths, self_is_causal};
+  std::optional<AttentionArgs> cross_attn;
+  if (decoder) {
+    cross_attn = AttentionArgs{weights[2], weights[3], optional_at(biases, 2), optional_at(biases, 3),
+                               cross_mask, cross_key_lengths, cross_is_causal};
+  }
+  const at::Tensor& w1 = weights[n_linear - 2];
+  const at::Tensor& w2 = weights[n_linear - 1];
+  const std::optional<at::Tensor> b1 = optional_at(biases, n_linear - 2), b2 = optional_at(biases, n_linear - 1);
+  auto feed_forward = [&](const at::Tensor& t) {
+    at::Tensor hidden = at::linear(t, w1, b1);
+    if (activation == 0) {
+      hidden.relu_();
+    } else {
+      at::gelu_(hidden, activation == 1 ? "none" : "tanh");
+    }
+    return at::linear(hidden, w2, b2);
+  };
+
+  at::Tensor h = x;
+  if (norm_first) {
+    // a = LN1(h); then each sublayer's output joins the stream h, and the next norm reads it
+    at::Tensor a = std::get<0>(norm(h, nullptr, norms[0]));
+    std::tie(a, h) = norm(attention_block(a, nullptr, self_attn, num_heads, seq_first), &h, norms[1]);
+    if (decoder) {
+      std::tie(a, h) = norm(attention_block(a, &*memory, *cross_attn, num_heads, seq_first), &h, norms[2]);
+    }
+    return at::add(h, feed_forward(a));
+  }
+  h = std::get<0>(norm(attention_block(h, nullptr, self_attn, num_heads, seq_first), &h, norms[0]));
+  if (decoder) {
+    h = std::get<0>(norm(attention_block(h, &*memory, *cross_attn, num_heads, seq_first), &h, norms[1]));
+  }
+  return std::get<0>(norm(feed_forward(h), &h, norms[n_norm - 1]));
+}
+
+}  // namespace fasttrans::cpu

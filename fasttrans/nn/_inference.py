@@ -1,0 +1,201 @@
+"""Inference of a whole encoder or decoder layer in one fused op call.
+
+A TransformerEncoderLayer's forward is about twenty Python-level op calls (projections,
+head views, mask translation, attention, Add & Norm, the feed-forward). At a batch of one
+short sequence on a CPU, their Python work costs about as much as the kernels. In eval mode
+with nothing to differentiate, the layers instead hand their parameters and translated
+masks to ``fasttrans::transformer_layer_fwd_extension`` (csrc/layer_cpu.cpp), which makes
+the same calls to the same kernels in C++, so the output is the module path's, bit for bit.
+
+The fused call is taken only where it computes exactly what the module path would:
+
+- inference: the layer and every dropout in it in eval mode, and no gradient to record
+  (grad mode off, or no parameter or input that requires one); no autocast;
+- the extension backend runs attention and the norms (automatic on CPU, or forced), in
+  eager mode outside torch.func transforms (fasttrans.functional._layer_inference_op);
+- the layer's parts are the stock ones: fasttrans MultiheadAttention with a packed
+  in_proj and no bias_k / bias_v / add_zero_attn, torch.nn.Linear feed-forward layers,
+  fasttrans LayerNorms over the last dim, relu or gelu (the functions, or nn.ReLU /
+  nn.GELU), fasttrans or torch Dropout; none of them replaced, hooked or pinned to another
+  backend (``fasttrans.convert(..., backend=)``);
+- plain CPU tensors of the parameters' dtype and device, none of them empty.
+
+Anywhere else :func:`encoder_layer` / :func:`decoder_layer` return None and the layer runs
+its modules. Argument errors are the module path's: the same checks run first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Linear, Module
+
+from .. import functional as FT
+from . import _masks
+from .attention import MultiheadAttention
+from .dropout import Dropout
+from .normalization import LayerNorm
+
+__all__ = ["encoder_layer", "decoder_layer"]
+
+_RELU, _GELU, _GELU_TANH = 0, 1, 2  # the op's activation codes
+
+
+def _activation_code(activation) -> int | None:
+    if activation is F.relu:
+        return _RELU
+    if activation is F.gelu:
+        return _GELU
+    if type(activation) is torch.nn.ReLU:
+        return _RELU
+    if type(activation) is torch.nn.GELU:
+        return {"none": _GELU, "tanh": _GELU_TANH}.get(activation.approximate)
+    return None
+
+
+def _plain(m: Module) -> bool:
+    """No hooks on m and no backend pinned on it."""
+    d = m.__dict__  # direct reads: this runs for a dozen modules per layer call
+    if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
+        return False
+    return d.get("_fasttrans_backend") in (None, "extension")
+
+
+def _dropout_off(m: Module) -> bool:
+    return type(m) in (Dropout, torch.nn.Dropout) and not m.training and 0.0 <= m.p <= 1.0 and _plain(m)
+
+
+def _attention_ok(m: Module, E: int) -> bool:
+    return (type(m) is MultiheadAttention and not m.training and m._qkv_same_embed_dim and m.bias_k is None
+            and m.bias_v is None and not m.add_zero_attn and m.embed_dim == E and m.head_dim <= FT.MAX_HEAD_DIM
+            and _plain(m))
+
+
+def _norm_ok(m: Module, E: int) -> bool:
+    return type(m) is LayerNorm and m.normalized_shape == (E,) and _plain(m)
+
+
+def _linear_ok(m: Module) -> bool:
+    return type(m) is Linear and _plain(m)
+
+
+def _tensor_ok(t: Tensor, like: Tensor) -> bool:
+    return (type(t) is Tensor and t.layout == torch.strided and not t.is_nested and t.dtype == like.dtype
+            and t.device == like.device and t.numel() > 0)
+
+
+def _parameters_ok(tensors: list, x: Tensor) -> bool:
+    """Every tensor given is in the dtype of x (a CPU tensor) and on the CPU, and none needs a gradient."""
+    dtype = x.dtype
+    if not torch.is_grad_enabled():
+        return all(t is None or (t.dtype is dtype and t.is_cpu) for t in tensors)
+    return not x.requires_grad and all(
+        t is None or (t.dtype is dtype and t.is_cpu and not t.requires_grad) for t in tensors)
+
+
+def _masks_need_grad(*masks) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(m, Tensor) and m.requires_grad for m in masks)
+
+
+def _layer_parts(layer: Module, x: Tensor, attention_names: tuple[str, ...], norm_names: tuple[str, ...],
+                 dropout_names: tuple[str, ...]):
+    """(op, attention modules, linear1, linear2, norms, activation code) when the layer may
+    take the fused call on x (see the module docstring), else None."""
+    if layer.training or type(x) is not Tensor or x.dim() not in (2, 3):
+        return None
+    op = FT._layer_inference_op(x)
+    if op is None or torch.is_autocast_enabled("cpu"):
+        return None
+    g = torch.nn.modules.module
+    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+            or g._global_backward_pre_hooks):
+        return None
+    modules = layer._modules
+    E = x.shape[-1]
+    attentions = [modules.get(n) for n in attention_names]
+    norms = [modules.get(n) for n in norm_names]
+    linear1, linear2 = modules.get("linear1"), modules.get("linear2")
+    # the attribute the module path calls: a deep copy of a decoder layer whose activation is
+    # a module also has F.relu in its __dict__ (torch's __setstate__), which wins
+    activation = getattr(layer, "activation", None)
+    code = _activation_code(activation)
+    if (code is None or (isinstance(activation, Module) and not _plain(activation))
+            or not all(_attention_ok(m, E) for m in attentions) or not all(_norm_ok(m, E) for m in norms)
+            or not all(_dropout_off(modules.get(n)) for n in dropout_names)
+            or not (_linear_ok(linear1) and _linear_ok(linear2))
+            or len({m.batch_first for m in attentions}) != 1):
+        return None
+    return op, attentions, linear1, linear2, norms, code
+
+
+def _weights(attentions, linear1, linear2, norms):
+    """The op's weight, bias and norm lists (read from the _parameters dicts: a module
+    attribute lookup of a parameter goes through Module.__getattr__)."""
+    weights, biases = [], []
+    for m in attentions:
+        own, out = m._parameters, m._modules["out_proj"]._parameters
+        weights += (own["in_proj_weight"], out["weight"])
+        biases += (own["in_proj_bias"], out["bias"])
+    one, two = linear1._parameters, linear2._parameters
+    weights += (one["weight"], two["weight"])
+    biases += (one["bias"], two["bias"])
+    params = [n._parameters for n in norms]
+    return weights, biases, [p["weight"] for p in params], [p["bias"] for p in params], [float(n.eps) for n in norms]
+
+
+def _op_masks(attention: MultiheadAttention, query: Tensor, key: Tensor, key_padding_mask, attn_mask, is_causal):
+    """MultiheadAttention.forward's checks on (query, key, key, masks), then its masks in the op
+    contract; also returns whether the input was batched."""
+    query, key, _, key_padding_mask, batched, seq_first = attention._batched_inputs(
+        query, key, key, key_padding_mask, attn_mask, False, is_causal)
+    n_dim, l_dim = (1, 0) if seq_first else (0, 1)
+    masks = _masks.translate(
+        attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=False, batch=query.shape[n_dim],
+        heads=attention.num_heads, tgt_len=query.shape[l_dim], src_len=key.shape[l_dim],
+    )
+    return masks, batched
+
+
+def encoder_layer(layer, src: Tensor, src_mask, src_key_padding_mask, is_causal) -> Tensor | None:
+    """TransformerEncoderLayer.forward in one fused call, or None where it does not apply."""
+    parts = _layer_parts(layer, src, ("self_attn",), ("norm1", "norm2"), ("dropout", "dropout1", "dropout2"))
+    if parts is None:
+        return None
+    op, attentions, linear1, linear2, norms, activation = parts
+    weights, biases, norm_weights, norm_biases, norm_eps = _weights(attentions, linear1, linear2, norms)
+    if (not (_tensor_ok(src, weights[0]) and _parameters_ok([*weights, *biases, *norm_weights, *norm_biases], src))
+            or _masks_need_grad(src_mask, src_key_padding_mask)):
+        return None
+    attention = attentions[0]
+    masks, batched = _op_masks(attention, src, src, src_key_padding_mask, src_mask, is_causal)
+    x = src if batched else src.unsqueeze(1)
+    out = op(x, None, weights, biases, norm_weights, norm_biases, norm_eps,
+             masks.attn_mask, masks.key_lengths, masks.is_causal, None, None, False,
+             attention.num_heads, activation, layer.norm_first, not (attention.batch_first and batched))
+    return out if batched else out.squeeze(1)
+
+
+def decoder_layer(layer, tgt: Tensor, memory: Tensor, tgt_mask, memory_mask, tgt_key_padding_mask,
+                  memory_key_padding_mask, tgt_is_causal, memory_is_causal) -> Tensor | None:
+    """TransformerDecoderLayer.forward in one fused call, or None where it does not apply."""
+    parts = _layer_parts(layer, tgt, ("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
+                         ("dropout", "dropout1", "dropout2", "dropout3"))
+    if parts is None:
+        return None
+    op, attentions, linear1, linear2, norms, activation = parts
+    weights, biases, norm_weights, norm_biases, norm_eps = _weights(attentions, linear1, linear2, norms)
+    if (not (_tensor_ok(tgt, weights[0]) and type(memory) is Tensor and _tensor_ok(memory, weights[0])
+             and memory.dim() == tgt.dim()
+             and _parameters_ok([*weights, *biases, *norm_weights, *norm_biases, memory], tgt))
+            or _masks_need_grad(tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)):
+        return None
+    self_attn, cross_attn = attentions
+    self_masks, batched = _op_masks(self_attn, tgt, tgt, tgt_key_padding_mask, tgt_mask, tgt_is_causal)
+    cross_masks, _ = _op_masks(cross_attn, tgt, memory, memory_key_padding_mask, memory_mask, memory_is_causal)
+    x, mem = (tgt, memory) if batched else (tgt.unsqueeze(1), memory.unsqueeze(1))
+    out = op(x, mem, weights, biases, norm_weights, norm_biases, norm_eps,
+             self_masks.attn_mask, self_masks.key_lengths, self_masks.is_causal,
+             cross_masks.attn_mask, cross_masks.key_lengths, cross_masks.is_causal,
+             self_attn.num_heads, activation, layer.norm_first, not (self_attn.batch_first and batched))
+    return out if batched else out.squeeze(1)

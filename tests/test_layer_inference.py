@@ -1,0 +1,377 @@
+"""The whole-layer inference op (csrc/layer_cpu.cpp, fasttrans/nn/_inference.py).
+
+In eval mode with nothing to differentiate, fasttrans.nn's encoder and decoder layers run
+as one ``fasttrans::transformer_layer_fwd_extension`` call. These tests check that
+
+- it is taken where it applies (every layer of the stacks), seen in the profiler's op list;
+- it gives the module path's output bit for bit (the module path run with the fused call
+  switched off), and torch.nn's within tolerance, for every mask kind, both layer kinds,
+  pre- and post-norm, batch-first or not, unbatched inputs, each activation, with and
+  without biases, in float32, float64 and bfloat16;
+- everywhere it must not apply (training, gradients, hooks, other backends, replaced
+  parts, autocast, large heads, empty inputs) the module path runs instead;
+- argument errors are the module path's, and the op's own checks name the argument.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fasttrans
+import fasttrans.functional as FT
+import fasttrans.nn as fnn
+from helpers import fasttrans_ops_run, require_extension
+
+OP = "fasttrans::transformer_layer_fwd_extension"
+E, H, FF = 16, 4, 24
+N, L, S = 3, 5, 7
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _extension():
+    require_extension("cpu", "attention")
+
+
+@pytest.fixture
+def module_path(monkeypatch):
+    """A context in which the layers never take the fused call (their module path)."""
+
+    class Off:
+        def __enter__(self):
+            monkeypatch.setattr(FT, "_layer_inference_op", lambda x: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.undo()
+
+    return Off()
+
+
+def _layer(kind: str, lib=fnn, dtype=torch.float32, **kw):
+    options = dict(dim_feedforward=FF, dropout=0.1, batch_first=True, dtype=dtype)
+    options.update(kw)
+    cls = lib.TransformerEncoderLayer if kind == "encoder" else lib.TransformerDecoderLayer
+    return cls(E, H, **options).eval()
+
+
+def _inputs(kind: str, batch_first: bool, batched: bool = True, dtype=torch.float32):
+    def seq(length):
+        if not batched:
+            return torch.randn(length, E, dtype=dtype)
+        return torch.randn((N, length, E) if batch_first else (length, N, E), dtype=dtype)
+
+    return (seq(L),) if kind == "encoder" else (seq(L), seq(S))
+
+
+def _run(layer, inputs, masks):
+    if isinstance(layer, (fnn.TransformerEncoderLayer, torch.nn.TransformerEncoderLayer)):
+        return layer(*inputs, src_mask=masks.get("mask"), src_key_padding_mask=masks.get("kpm"),
+                     is_causal=masks.get("is_causal", False))
+    return layer(*inputs, tgt_mask=masks.get("mask"), tgt_key_padding_mask=masks.get("kpm"),
+                 memory_mask=masks.get("memory_mask"), memory_key_padding_mask=masks.get("memory_kpm"),
+                 tgt_is_causal=masks.get("is_causal", False))
+
+
+def _fused_and_module(layer, inputs, masks, module_path):
+    """The layer's no-grad output with the fused call (asserting it ran) and without it."""
+    with torch.no_grad():
+        fused, ops = fasttrans_ops_run(lambda: _run(layer, inputs, masks))
+        assert OP in ops, f"the fused call was not taken (ops: {sorted(ops)})"
+        with module_path:
+            plain, ops = fasttrans_ops_run(lambda: _run(layer, inputs, masks))
+        assert OP not in ops
+    return fused, plain
+
+
+def _pad(lengths, size):
+    return torch.arange(size)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+def _mask_case(name: str, kind: str, dtype):
+    """torch.nn masks of one kind (batch first, batched) for self-attention (and memory)."""
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype)
+    if name == "none":
+        return {}
+    if name == "causal float, hint":
+        return {"mask": causal, "is_causal": True}
+    if name == "causal bool, detected":
+        return {"mask": causal.isinf()}
+    if name == "bool":
+        m = torch.rand(L, L) < 0.3
+        m[:, 0] = False  # every query sees a key
+        return {"mask": m, "memory_mask": torch.rand(L, S) < 0.3}
+    if name == "float per head":
+        return {"mask": torch.randn(N * H, L, L, dtype=dtype), "memory_mask": torch.randn(L, S, dtype=dtype)}
+    if name == "right-padded":
+        return {"kpm": _pad([5, 2, 4], L), "memory_kpm": _pad([7, 1, 3], S)}
+    if name == "left-padded":
+        return {"kpm": _pad([5, 2, 4], L).flip(-1), "memory_kpm": _pad([7, 1, 3], S).flip(-1)}
+    if name == "float padding":
+        return {"kpm": torch.randn(N, L, dtype=dtype), "memory_kpm": torch.randn(N, S, dtype=dtype)}
+    if name == "fully masked rows":
+        m = torch.zeros(L, L, dtype=torch.bool)
+        m[1] = True  # query 1 sees nothing: output 0 from attention, as torch's SDPA path
+        return {"mask": m, "kpm": _pad([5, 2, 4], L)}
+    raise ValueError(name)
+
+
+MASKS = ("none", "causal float, hint", "causal bool, detected", "bool", "float per head", "right-padded",
+         "left-padded", "float padding", "fully masked rows")
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
+       torch.bfloat16: dict(atol=0.1, rtol=0.05)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_masks_match_the_module_path_bit_for_bit_and_torch(kind, mask, dtype, module_path):
+    layer = _layer(kind, dtype=dtype)
+    ref = _layer(kind, torch.nn, dtype=dtype)
+    ref.load_state_dict(layer.state_dict())
+    inputs = _inputs(kind, batch_first=True, dtype=dtype)
+    masks = _mask_case(mask, kind, dtype)
+    fused, plain = _fused_and_module(layer, inputs, masks, module_path)
+    assert torch.equal(fused, plain)
+    # torch with gradients on: its inference fast path returns NaN everywhere for a 3-D float
+    # attn_mask (torch 2.13), so the reference is its regular path
+    want = _run(ref, inputs, masks).detach()
+    keep = ~want.isnan()  # torch gives NaN for a query with no allowed key (fasttrans: 0)
+    assert keep.any() and (mask == "fully masked rows" or keep.all())
+    torch.testing.assert_close(fused[keep], want[keep], **TOL[dtype])
+
+
+OPTIONS = list(itertools.product([False, True], [False, True], [False, True], [True, False]))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", torch.nn.GELU("tanh"), torch.nn.ReLU()], ids=str)
+@pytest.mark.parametrize("norm_first,batch_first,batched,bias", OPTIONS,
+                         ids=[f"norm_first={a}-batch_first={b}-batched={c}-bias={d}" for a, b, c, d in OPTIONS])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_layer_options_match_the_module_path_bit_for_bit(kind, norm_first, batch_first, batched, bias, activation,
+                                                         module_path):
+    layer = _layer(kind, norm_first=norm_first, batch_first=batch_first, bias=bias, activation=activation)
+    ref = _layer(kind, torch.nn, norm_first=norm_first, batch_first=batch_first, bias=bias, activation=activation)
+    ref.load_state_dict(layer.state_dict())
+    inputs = _inputs(kind, batch_first, batched)
+    masks = {"mask": torch.nn.Transformer.generate_square_subsequent_mask(L)}
+    fused, plain = _fused_and_module(layer, inputs, masks, module_path)
+    assert fused.shape == inputs[0].shape
+    assert torch.equal(fused, plain)
+    torch.testing.assert_close(fused, _run(ref, inputs, masks).detach(), **TOL[torch.float32])
+
+
+def test_layer_norms_without_affine_parameters(module_path):
+    layer = _layer("decoder")
+    for name in ("norm1", "norm2", "norm3"):
+        setattr(layer, name, fnn.LayerNorm(E, elementwise_affine=False))
+    fused, plain = _fused_and_module(layer, _inputs("decoder", True), {}, module_path)
+    assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "transformer"])
+def test_every_layer_of_the_stacks_takes_the_fused_call(kind, module_path):
+    model = fnn.Transformer(E, H, 3, 2, FF, batch_first=True).eval()
+    src, tgt = torch.randn(N, S, E), torch.randn(N, L, E)
+    causal = model.generate_square_subsequent_mask(L)
+    kpm = _pad([7, 3, 5], S)
+    calls = {
+        "encoder": lambda: model.encoder(src, src_key_padding_mask=kpm),
+        "decoder": lambda: model.decoder(tgt, src, tgt_mask=causal, memory_key_padding_mask=kpm),
+        "transformer": lambda: model(src, tgt, tgt_mask=causal, src_key_padding_mask=kpm,
+                                     memory_key_padding_mask=kpm),
+    }
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        fused = calls[kind]()
+    count = sum(1 for e in prof.events() if e.name == OP)
+    assert count == {"encoder": 3, "decoder": 2, "transformer": 5}[kind]
+    with torch.no_grad(), module_path:
+        assert torch.equal(fused, calls[kind]())
+
+
+def test_inference_mode_and_a_forced_extension_backend_take_it():
+    layer = _layer("encoder")
+    (x,) = _inputs("encoder", True)
+    with torch.inference_mode():
+        _, ops = fasttrans_ops_run(lambda: layer(x))
+    assert OP in ops
+    with torch.no_grad(), fasttrans.use_backend("extension"):
+        _, ops = fasttrans_ops_run(lambda: layer(x))
+    assert OP in ops
+
+
+# --------------------------------------------------------------------------------------
+# where the fused call must not be taken
+# --------------------------------------------------------------------------------------
+def _hook(module, args, output):
+    return output * 2  # a hook that changes the output: the module path must run it
+
+
+def _setups():
+    """name -> (prepare(layer) returning a context for the call, or None; no_grad)."""
+
+    def replace(name, factory):
+        def prepare(layer):
+            setattr(layer, name, factory(layer))
+
+        return prepare
+
+    class Linear(torch.nn.Linear):
+        pass
+
+    return {
+        "training": (lambda layer: layer.train(), True),
+        "a dropout in training mode": (lambda layer: layer.dropout1.train(), True),
+        "gradients recorded": (lambda layer: None, False),
+        "a forward hook on linear1": (lambda layer: layer.linear1.register_forward_hook(_hook), True),
+        "a global forward hook": (
+            lambda layer: torch.nn.modules.module.register_module_forward_hook(_hook), True),
+        "the reference backend forced": (lambda layer: fasttrans.use_backend("reference"), True),
+        "self_attn pinned to the reference": (
+            lambda layer: setattr(layer.self_attn, "_fasttrans_backend", "reference"), True),
+        "a custom activation": (lambda layer: setattr(layer, "activation", lambda t: t.tanh()), True),
+        "a Linear subclass": (replace("linear1", lambda layer: Linear(E, FF)), True),
+        "torch's LayerNorm": (replace("norm1", lambda layer: torch.nn.LayerNorm(E)), True),
+        "attention with bias_k": (
+            replace("self_attn", lambda layer: fnn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True).eval()),
+            True),
+        "cpu autocast": (lambda layer: torch.autocast("cpu", dtype=torch.bfloat16), True),
+    }
+
+
+@pytest.mark.parametrize("setup", list(_setups()))
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_module_path_where_the_fused_call_does_not_apply(kind, setup):
+    prepare, no_grad = _setups()[setup]
+    layer = _layer(kind, dropout=0.0)
+    inputs = _inputs(kind, True)
+    handle = prepare(layer)
+    context = handle if hasattr(handle, "__enter__") else torch.enable_grad()
+    try:
+        with torch.set_grad_enabled(not no_grad), context:
+            out, ops = fasttrans_ops_run(lambda: layer(*inputs))
+    finally:
+        if hasattr(handle, "remove"):
+            handle.remove()
+    assert OP not in ops
+    assert out.shape == inputs[0].shape and out.isfinite().all()
+
+
+@pytest.mark.parametrize("case", ["input needs a gradient", "float mask needs a gradient"])
+def test_gradients_of_inputs_keep_the_module_path(case):
+    layer = _layer("encoder").requires_grad_(False)
+    (x,) = _inputs("encoder", True)
+    mask = torch.zeros(L, L)
+    if case == "input needs a gradient":
+        x.requires_grad_()
+    else:
+        mask.requires_grad_()
+    out, ops = fasttrans_ops_run(lambda: layer(x, src_mask=mask))
+    assert OP not in ops
+    out.sum().backward()
+    assert (x.grad if x.requires_grad else mask.grad) is not None
+
+
+def test_head_dims_past_the_kernels_and_empty_inputs_keep_the_module_path():
+    big = fnn.TransformerEncoderLayer(272, 1, 8, batch_first=True).eval()  # head dim 272 > 256
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "runs on the reference implementation" (once per process)
+        _, ops = fasttrans_ops_run(lambda: big(torch.randn(1, 3, 272)))
+        assert OP not in ops
+        layer = _layer("encoder")
+        out, ops = fasttrans_ops_run(lambda: layer(torch.randn(0, L, E)))
+        assert OP not in ops and out.shape == (0, L, E)
+
+
+def test_an_activation_module_shadowed_by_relu_is_computed_as_relu(module_path):
+    """torch's TransformerDecoderLayer.__setstate__ (run by deepcopy, as in the stacks) puts
+    F.relu into the instance dict of a layer whose activation is a module; attribute lookup
+    then finds relu, and the fused call must compute what the module path computes."""
+    model = fnn.Transformer(E, H, 1, 1, FF, activation=torch.nn.GELU(), batch_first=True).eval()
+    layer = model.decoder.layers[0]
+    assert layer.activation is F.relu
+    fused, plain = _fused_and_module(layer, _inputs("decoder", True), {}, module_path)
+    assert torch.equal(fused, plain)
+
+
+# --------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------
+BAD = {
+    "attn_mask shape": {"mask": torch.zeros(L, L + 1, dtype=torch.bool)},
+    "key_padding_mask shape": {"kpm": torch.zeros(N, L + 2, dtype=torch.bool)},
+    "integer mask": {"mask": torch.zeros(L, L, dtype=torch.int64)},
+    "is_causal without a mask": {"is_causal": True},
+    "memory_mask shape": {"memory_mask": torch.zeros(L, S + 1)},
+    "half-precision float mask": {"kpm": torch.zeros(N, L, dtype=torch.float16)},
+}
+
+
+@pytest.mark.parametrize("kind,bad", [(k, b) for k in ("encoder", "decoder") for b in BAD
+                                      if k == "decoder" or not b.startswith("memory")])
+def test_argument_errors_are_the_module_paths(kind, bad, module_path):
+    layer = _layer(kind)
+    inputs = _inputs(kind, True)
+
+    def error():
+        with pytest.raises(Exception) as info:
+            with torch.no_grad():
+                _run(layer, inputs, BAD[bad])
+        return info.value
+
+    fused = error()
+    with module_path:
+        plain = error()
+    assert type(fused) is type(plain) and str(fused) == str(plain)
+
+
+def _op_args(decoder: bool):
+    layer = _layer("decoder" if decoder else "encoder", bias=True)
+    attentions = [layer.self_attn] + ([layer.multihead_attn] if decoder else [])
+    norms = [layer.norm1, layer.norm2] + ([layer.norm3] if decoder else [])
+    weights = [w for a in attentions for w in (a.in_proj_weight, a.out_proj.weight)]
+    biases = [b for a in attentions for b in (a.in_proj_bias, a.out_proj.bias)]
+    weights += [layer.linear1.weight, layer.linear2.weight]
+    biases += [layer.linear1.bias, layer.linear2.bias]
+    x, *memory = _inputs("decoder" if decoder else "encoder", True)
+    args = [x, memory[0] if decoder else None, [w.detach() for w in weights], [b.detach() for b in biases],
+            [n.weight.detach() for n in norms], [n.bias.detach() for n in norms], [1e-5] * len(norms),
+            None, torch.tensor([5, 2, 4], dtype=torch.int32), False,
+            None, None, False, H, 0, False, False]
+    return args
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_opcheck(decoder):
+    fasttrans.backends.layer_inference_op()  # registers the fake implementation
+    op = torch.ops.fasttrans.transformer_layer_fwd_extension
+    torch.library.opcheck(op, _op_args(decoder))
+
+
+OP_ERRORS = {
+    "weights": (lambda a: a.__setitem__(2, a[2][:3]), "weights, biases: expected 4"),
+    "in_proj shape": (lambda a: a[2].__setitem__(0, a[2][0][:10]), "weights[0] (self-attention in_proj)"),
+    "linear1 bias": (lambda a: a[3].__setitem__(2, torch.zeros(FF + 1)), "linear1 bias: expected shape (24,)"),
+    "weight dtype": (lambda a: a[2].__setitem__(3, a[2][3].double()), "linear2 weight: expected Float"),
+    "norm eps": (lambda a: a.__setitem__(6, [1e-5, -1.0]), "norm_eps: expected finite non-negative"),
+    "num_heads": (lambda a: a.__setitem__(13, 5), "num_heads: expected a positive divisor"),
+    "activation": (lambda a: a.__setitem__(14, 3), "activation: expected 0 (relu)"),
+    "x": (lambda a: a.__setitem__(0, a[0][0]), "x: expected a 3-D"),
+    "memory": (lambda a: a.__setitem__(1, torch.randn(2, S, E)), "memory: expected the batch size"),
+}
+
+
+@pytest.mark.parametrize("bad", list(OP_ERRORS))
+def test_the_op_names_the_argument_at_fault(bad):
+    fasttrans.backends.layer_inference_op()
+    args = _op_args(decoder=bad == "memory")
+    corrupt, message = OP_ERRORS[bad]
+    corrupt(args)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.fasttrans.transformer_layer_fwd_extension(*args)
