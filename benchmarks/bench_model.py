@@ -17,7 +17,8 @@ Sweeps (select with --sweep):
     infer     the digits-average model's forward in eval mode without gradients (logits for
               a source and a decoder input), from one short sequence to the training batch:
               torch.nn takes its inference fast path here (the fused encoder layer),
-              fasttrans its usual kernels. tokens/s = batch * (source + decoder input) / time.
+              fasttrans its whole-layer op (one C++ call per encoder or decoder layer).
+              tokens/s = batch * (source + decoder input) / time.
     train     (CUDA only) a base-size model: d_model 512, 8 heads, 6+6 layers, FFN 2048,
               batch 32, 128 + 128 tokens.
 Every model runs in float32 (the optimizer's state and the weights in one precision; --dtype
