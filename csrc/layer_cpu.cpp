@@ -14,13 +14,20 @@
 // "LN(x + .)" is one add_layer_norm pass (norm_fwd with a residual), whose h is the
 // pre-norm residual stream. Dropout is absent: inference.
 #include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/relu.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
+#include "checks.h"
 #include "ops.h"
 
 namespace fasttrans::cpu {
@@ -49,9 +56,38 @@ at::Tensor split_heads(const at::Tensor& t, bool seq_first) {
   return seq_first ? t.permute({1, 2, 0, 3}) : t.transpose(1, 2);
 }
 
-// x (A, B, E) attends itself (kv == nullptr) or kv (A', B, E): out_proj(attention(in_proj(.)))
+// The softmax weights (N, H, L, S) of q (N, H, L, D) over k (N, H, S, D), materialised, in q's
+// dtype (scores in fp32 for fp16/bf16): what MultiheadAttention returns for need_weights. A
+// query with no allowed key has NaN weights, as torch's softmax of a row of -inf.
+at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& mask,
+                             const std::optional<at::Tensor>& key_lengths, bool is_causal, double scale) {
+  const at::ScalarType acc =
+      q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? at::kFloat : q.scalar_type();
+  at::Tensor s = at::matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  if (mask.has_value()) {
+    checks::mask_broadcasts(*mask, s.size(0), s.size(1), s.size(2), s.size(3));
+    if (mask->scalar_type() == at::kBool) {
+      s.masked_fill_(mask->logical_not(), neg_inf);
+    } else {
+      s.add_(mask->to(acc));
+    }
+  }
+  if (key_lengths.has_value()) {
+    const at::Tensor positions = at::arange(s.size(3), key_lengths->options().dtype(at::kLong));
+    s.masked_fill_(positions.view({1, 1, 1, -1}).ge(key_lengths->to(at::kLong).view({-1, 1, 1, 1})), neg_inf);
+  }
+  if (is_causal) {
+    s.masked_fill_(at::ones({s.size(2), s.size(3)}, s.options().dtype(at::kBool)).triu_(1), neg_inf);
+  }
+  return at::softmax(s, -1).to(q.scalar_type());
+}
+
+// x (A, B, E) attends itself (kv == nullptr) or kv (A', B, E): out_proj(attention(in_proj(.))).
+// With weights != nullptr the attention is computed from the materialised softmax weights,
+// which are stored there (N, H, L, S); else by the fused kernel.
 at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const AttentionArgs& a, int64_t H,
-                           bool seq_first) {
+                           bool seq_first, at::Tensor* weights = nullptr) {
   const int64_t E = x.size(2), D = E / H;
   at::Tensor q, k, v;
   if (kv == nullptr) {  // one (.., 3E) projection
@@ -71,10 +107,17 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const Atte
       mask->scalar_type() != at::kFloat) {
     mask = mask->to(x.scalar_type());  // the float mask dtypes the kernel reads
   }
-  at::Tensor out = std::get<0>(attention_fwd(split_heads(q, seq_first), split_heads(k, seq_first),
-                                             split_heads(v, seq_first), mask, a.key_lengths, a.is_causal,
-                                             /*causal_offset=*/0, /*dropout_p=*/0.0,
-                                             1.0 / std::sqrt(static_cast<double>(D)), /*seed=*/0));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  at::Tensor out;
+  if (weights != nullptr) {
+    *weights = attention_weights(split_heads(q, seq_first), split_heads(k, seq_first), mask, a.key_lengths,
+                                 a.is_causal, scale);
+    out = at::matmul(*weights, split_heads(v, seq_first));
+  } else {
+    out = std::get<0>(attention_fwd(split_heads(q, seq_first), split_heads(k, seq_first), split_heads(v, seq_first),
+                                    mask, a.key_lengths, a.is_causal, /*causal_offset=*/0, /*dropout_p=*/0.0, scale,
+                                    /*seed=*/0));
+  }
   // (N, H, L, D) -> (A, B, H, D) rows of E features, then the output projection
   out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).reshape({x.size(0), x.size(1), E});
   return at::linear(out, a.out_weight, a.out_bias);
@@ -199,6 +242,38 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
     h = std::get<0>(norm(attention_block(h, &*memory, *cross_attn, num_heads, seq_first), &h, norms[1]));
   }
   return std::get<0>(norm(feed_forward(h), &h, norms[n_norm - 1]));
+}
+
+std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
+    const at::Tensor& query, const std::optional<at::Tensor>& kv, const at::Tensor& in_weight,
+    const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths, bool is_causal,
+    int64_t num_heads, bool seq_first, bool need_weights, bool average_weights) {
+  TORCH_CHECK(query.dim() == 3, "query: expected a 3-D (L, N, E) or (N, L, E) tensor, got shape ", query.sizes());
+  TORCH_CHECK(at::isFloatingType(query.scalar_type()), "query: expected a floating-point dtype, got ",
+              query.scalar_type());
+  const int64_t E = query.size(2);
+  TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "num_heads: expected a positive divisor of the embedding size ",
+              E, ", got ", num_heads);
+  check_weight(in_weight, "in_weight", 3 * E, E, query);
+  check_vector(in_bias, "in_bias", 3 * E, query);
+  check_weight(out_weight, "out_weight", E, E, query);
+  check_vector(out_bias, "out_bias", E, query);
+  const bool self = !(kv.has_value() && kv->defined());
+  if (!self) {
+    const int64_t n = seq_first ? 1 : 0;
+    TORCH_CHECK(kv->dim() == 3 && kv->size(n) == query.size(n) && kv->size(2) == E,
+                "kv: expected the batch size and embedding size of query ", query.sizes(), ", got shape ", kv->sizes());
+    TORCH_CHECK(kv->scalar_type() == query.scalar_type() && kv->device() == query.device(), "kv: expected ",
+                query.scalar_type(), " on ", query.device(), " (from query), got ", kv->scalar_type(), " on ",
+                kv->device());
+  }
+  const AttentionArgs args{in_weight, out_weight, in_bias, out_bias, attn_mask, key_lengths, is_causal};
+  at::Tensor weights;
+  at::Tensor out = attention_block(query, self ? nullptr : &*kv, args, num_heads, seq_first,
+                                   need_weights ? &weights : nullptr);
+  if (!need_weights) return {out, at::empty({0}, query.options())};
+  return {out, average_weights ? weights.mean(1) : weights};
 }
 
 }  // namespace fasttrans::cpu

@@ -48,6 +48,12 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
                                  const std::optional<at::Tensor>& cross_mask,
                                  const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
                                  int64_t num_heads, int64_t activation, bool norm_first, bool seq_first);
+// one MultiheadAttention inference forward, packed projection (layer_cpu.cpp): CPU only
+std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
+    const at::Tensor& query, const std::optional<at::Tensor>& kv, const at::Tensor& in_weight,
+    const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths, bool is_causal,
+    int64_t num_heads, bool seq_first, bool need_weights, bool average_weights);
 }  // namespace cpu
 
 namespace cuda {

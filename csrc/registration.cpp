@@ -33,6 +33,11 @@ TORCH_LIBRARY(fasttrans, m) {
       "Tensor?[] norm_weights, Tensor?[] norm_biases, float[] norm_eps, Tensor? self_mask, "
       "Tensor? self_key_lengths, bool self_is_causal, Tensor? cross_mask, Tensor? cross_key_lengths, "
       "bool cross_is_causal, int num_heads, int activation, bool norm_first, bool seq_first) -> Tensor");
+  // and for a MultiheadAttention with a packed projection (kv: None for self-attention)
+  m.def(
+      "multihead_attention_fwd_extension(Tensor query, Tensor? kv, Tensor in_weight, Tensor? in_bias, "
+      "Tensor out_weight, Tensor? out_bias, Tensor? attn_mask, Tensor? key_lengths, bool is_causal, "
+      "int num_heads, bool seq_first, bool need_weights, bool average_weights) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
@@ -46,4 +51,5 @@ TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
   m.impl("padding_key_lengths", &fasttrans::cpu::padding_key_lengths);
   m.impl("is_causal_mask", &fasttrans::cpu::is_causal_mask);
   m.impl("transformer_layer_fwd_extension", &fasttrans::cpu::transformer_layer_fwd);
+  m.impl("multihead_attention_fwd_extension", &fasttrans::cpu::multihead_attention_fwd);
 }

@@ -838,15 +838,16 @@ def ops_for(name: str):
     return handles
 
 
-_layer_op: list = []  # the extension's whole-layer inference op, once registered
+_inference_ops: list = []  # the extension's whole-module inference ops, once registered
 
 
-def layer_inference_op():
-    """``torch.ops.fasttrans.transformer_layer_fwd_extension`` (csrc/layer_cpu.cpp): one
-    encoder or decoder layer's inference forward on the CPU. Loads the extension and gives
-    the op its fake implementation on first use. It has no autograd formula: callers use it
-    only when no input needs a gradient."""
-    if not _layer_op:
+def inference_ops() -> tuple:
+    """(``transformer_layer_fwd_extension``, ``multihead_attention_fwd_extension``): the
+    extension's inference forwards of one encoder or decoder layer and of one
+    MultiheadAttention on the CPU (csrc/layer_cpu.cpp). Loads the extension and gives them
+    their fake implementations on first use. They have no autograd formulas: callers use
+    them only when no input needs a gradient."""
+    if not _inference_ops:
         ops_for("extension")
 
         @register_fake("fasttrans::transformer_layer_fwd_extension")
@@ -856,8 +857,21 @@ def layer_inference_op():
             _check_fake_devices(x=x, memory=memory, self_mask=self_mask, cross_mask=cross_mask)
             return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-        _layer_op.append(torch.ops.fasttrans.transformer_layer_fwd_extension)
-    return _layer_op[0]
+        @register_fake("fasttrans::multihead_attention_fwd_extension")
+        def _(query, kv, in_weight, in_bias, out_weight, out_bias, attn_mask, key_lengths, is_causal, num_heads,
+              seq_first, need_weights, average_weights):
+            _check_fake_devices(query=query, kv=kv, attn_mask=attn_mask, key_lengths=key_lengths)
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+            if not need_weights:
+                return out, query.new_empty(0)
+            keys = query if kv is None else kv
+            N, L, S = (query.shape[1], query.shape[0], keys.shape[0]) if seq_first else \
+                (query.shape[0], query.shape[1], keys.shape[1])
+            return out, query.new_empty((N, L, S) if average_weights else (N, num_heads, L, S))
+
+        ns = torch.ops.fasttrans
+        _inference_ops.extend((ns.transformer_layer_fwd_extension, ns.multihead_attention_fwd_extension))
+    return tuple(_inference_ops)
 
 
 def dropout_ops_for(name: str):

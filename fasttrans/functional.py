@@ -601,24 +601,33 @@ def rms_norm(
 # --------------------------------------------------------------------------------------
 # whole layers, inference
 # --------------------------------------------------------------------------------------
-def _layer_inference_op(x: torch.Tensor):
-    """The op that runs a whole encoder or decoder layer's inference forward in one call
-    (``fasttrans::transformer_layer_fwd_extension``, csrc/layer_cpu.cpp), when it may run the
-    layer of ``x``: eager mode outside torch.func transforms and forward-mode AD, a CPU
+def _inference_ops_allowed(x: torch.Tensor) -> bool:
+    """Whether the extension's whole-module inference ops (csrc/layer_cpu.cpp) may run a
+    module on ``x``: eager mode outside torch.func transforms and forward-mode AD, a CPU
     tensor, and the extension backend chosen (automatically or forced) for both attention
-    and the norms in ``x``'s dtype. None otherwise: the layer then calls the ops one by one.
+    and the norms in ``x``'s dtype. Where not, the module calls the ops one by one.
 
-    The op computes what those calls compute (same kernels, same order, bit for bit); it
-    only saves the Python work between them, and has no autograd: fasttrans.nn calls it only
-    when nothing needs a gradient (see fasttrans/nn/_inference.py)."""
+    Those ops compute what the module's op calls compute (the same kernels in the same
+    order), saving the Python work between them; they have no autograd, and fasttrans.nn
+    calls them only when nothing needs a gradient (see fasttrans/nn/_inference.py)."""
     if (x.device.type != "cpu" or _is_compiling() or _functorch.maybe_current_level() is not None
             or getattr(_fwAD, "_current_level", 0) >= 0):
-        return None
+        return False
     dtype = x.dtype
-    if (backends.select_backend("attention", "cpu", dtype).name != "extension"
-            or backends.select_backend("norm", "cpu", dtype).name != "extension"):
-        return None
-    return backends.layer_inference_op()
+    return (backends.select_backend("attention", "cpu", dtype).name == "extension"
+            and backends.select_backend("norm", "cpu", dtype).name == "extension")
+
+
+def _layer_inference_op(x: torch.Tensor):
+    """``fasttrans::transformer_layer_fwd_extension``, one encoder or decoder layer's
+    inference forward, where :func:`_inference_ops_allowed` for ``x``; else None."""
+    return backends.inference_ops()[0] if _inference_ops_allowed(x) else None
+
+
+def _attention_inference_op(x: torch.Tensor):
+    """``fasttrans::multihead_attention_fwd_extension``, one MultiheadAttention's inference
+    forward, where :func:`_inference_ops_allowed` for ``x``; else None."""
+    return backends.inference_ops()[1] if _inference_ops_allowed(x) else None
 
 
 # --------------------------------------------------------------------------------------

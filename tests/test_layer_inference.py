@@ -42,11 +42,12 @@ def _extension():
 
 @pytest.fixture
 def module_path(monkeypatch):
-    """A context in which the layers never take the fused call (their module path)."""
+    """A context in which the layers and attention modules never take the fused calls (their module path)."""
 
     class Off:
         def __enter__(self):
             monkeypatch.setattr(FT, "_layer_inference_op", lambda x: None)
+            monkeypatch.setattr(FT, "_attention_inference_op", lambda x: None)
 
         def __exit__(self, *exc):
             monkeypatch.undo()
@@ -86,7 +87,7 @@ def _fused_and_module(layer, inputs, masks, module_path):
         assert OP in ops, f"the fused call was not taken (ops: {sorted(ops)})"
         with module_path:
             plain, ops = fasttrans_ops_run(lambda: _run(layer, inputs, masks))
-        assert OP not in ops
+        assert OP not in ops and "fasttrans::multihead_attention_fwd_extension" not in ops
     return fused, plain
 
 
@@ -349,7 +350,7 @@ def _op_args(decoder: bool):
 
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
 def test_opcheck(decoder):
-    fasttrans.backends.layer_inference_op()  # registers the fake implementation
+    fasttrans.backends.inference_ops()  # registers the fake implementation
     op = torch.ops.fasttrans.transformer_layer_fwd_extension
     torch.library.opcheck(op, _op_args(decoder))
 
@@ -369,9 +370,183 @@ OP_ERRORS = {
 
 @pytest.mark.parametrize("bad", list(OP_ERRORS))
 def test_the_op_names_the_argument_at_fault(bad):
-    fasttrans.backends.layer_inference_op()
+    fasttrans.backends.inference_ops()
     args = _op_args(decoder=bad == "memory")
     corrupt, message = OP_ERRORS[bad]
     corrupt(args)
     with pytest.raises(RuntimeError, match=re.escape(message)):
         torch.ops.fasttrans.transformer_layer_fwd_extension(*args)
+
+
+# --------------------------------------------------------------------------------------
+# MultiheadAttention on its own
+# --------------------------------------------------------------------------------------
+MHA_OP = "fasttrans::multihead_attention_fwd_extension"
+
+
+def _mha_run(mha, query, key, masks, need_weights, average=True):
+    return mha(query, key, key, key_padding_mask=masks.get("kpm") if key is query else masks.get("memory_kpm"),
+               attn_mask=masks.get("mask") if key is query else masks.get("memory_mask"),
+               need_weights=need_weights, average_attn_weights=average,
+               is_causal=masks.get("is_causal", False) if key is query else False)
+
+
+def _mha_fused_and_module(mha, run, module_path):
+    with torch.no_grad():
+        fused, ops = fasttrans_ops_run(run)
+        assert MHA_OP in ops, f"the fused call was not taken (ops: {sorted(ops)})"
+        with module_path:
+            plain, ops = fasttrans_ops_run(run)
+        assert MHA_OP not in ops
+    return fused, plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_multihead_attention_matches_the_module_path_and_torch(cross, need_weights, mask, dtype, module_path):
+    mha = fnn.MultiheadAttention(E, H, dropout=0.1, batch_first=True, dtype=dtype).eval()
+    ref = torch.nn.MultiheadAttention(E, H, dropout=0.1, batch_first=True, dtype=dtype).eval()
+    ref.load_state_dict(mha.state_dict())
+    query, memory = _inputs("decoder", True, dtype=dtype)
+    key = memory if cross else query
+    masks = _mask_case(mask, "decoder", dtype)
+    if need_weights and masks.get("is_causal"):
+        masks["is_causal"] = False  # torch applies the mask itself then; the hint alone is tested below
+    (out, weights), (out_m, weights_m) = _mha_fused_and_module(
+        mha, lambda: _mha_run(mha, query, key, masks, need_weights), module_path)
+    out_t, weights_t = _mha_run(ref, query, key, masks, need_weights)  # torch's regular path (gradients on)
+    if not need_weights:
+        assert weights is None and weights_m is None
+        assert torch.equal(out, out_m)  # the same kernels: bit for bit
+    else:
+        # a query with no allowed key: NaN weights and output, as torch
+        assert torch.equal(weights.isnan(), weights_m.isnan()) and torch.equal(out.isnan(), out_m.isnan())
+        assert torch.equal(weights.isnan(), weights_t.isnan())
+        torch.testing.assert_close(weights, weights_m, equal_nan=True, **TOL[dtype])
+        torch.testing.assert_close(weights, weights_t.detach(), equal_nan=True, **TOL[dtype])
+        torch.testing.assert_close(out, out_m, equal_nan=True, **TOL[dtype])
+    keep = ~out_t.isnan()
+    assert keep.any() and (mask == "fully masked rows" or keep.all())
+    torch.testing.assert_close(out[keep], out_t.detach()[keep], **TOL[dtype])
+
+
+MHA_OPTIONS = list(itertools.product([False, True], [False, True], [False, True], [True, False]))
+
+
+@pytest.mark.parametrize("batch_first,batched,average,bias", MHA_OPTIONS,
+                         ids=[f"batch_first={a}-batched={b}-average={c}-bias={d}" for a, b, c, d in MHA_OPTIONS])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_multihead_attention_options(cross, batch_first, batched, average, bias, module_path):
+    mha = fnn.MultiheadAttention(E, H, bias=bias, batch_first=batch_first).eval()
+    ref = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=batch_first).eval()
+    ref.load_state_dict(mha.state_dict())
+    query, memory = _inputs("decoder", batch_first, batched)
+    key = memory if cross else query
+    masks = {"kpm": _pad([5, 2, 4], L)[0] if not batched else _pad([5, 2, 4], L),
+             "memory_kpm": _pad([7, 1, 3], S)[0] if not batched else _pad([7, 1, 3], S)}
+    for need_weights in (False, True):
+        (out, weights), (out_m, weights_m) = _mha_fused_and_module(
+            mha, lambda: _mha_run(mha, query, key, masks, need_weights, average), module_path)
+        out_t, weights_t = _mha_run(ref, query, key, masks, need_weights, average)
+        assert out.shape == out_t.shape
+        torch.testing.assert_close(out, out_t.detach(), **TOL[torch.float32])
+        if need_weights:
+            assert weights.shape == weights_t.shape
+            torch.testing.assert_close(weights, weights_t.detach(), **TOL[torch.float32])
+        else:
+            assert torch.equal(out, out_m)
+
+
+def test_multihead_attention_causal_hint_without_weights(module_path):
+    mha = fnn.MultiheadAttention(E, H, batch_first=True).eval()
+    (x,) = _inputs("encoder", True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(L)
+    (out, _), (out_m, _) = _mha_fused_and_module(
+        mha, lambda: mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False), module_path)
+    assert torch.equal(out, out_m)
+
+
+def _mha_setups():
+    return {
+        "training": lambda: fnn.MultiheadAttention(E, H, dropout=0.0, batch_first=True),
+        "separate projections (kdim)": lambda: fnn.MultiheadAttention(E, H, kdim=E + 2, vdim=E + 2,
+                                                                      batch_first=True).eval(),
+        "bias_k": lambda: fnn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True).eval(),
+        "add_zero_attn": lambda: fnn.MultiheadAttention(E, H, add_zero_attn=True, batch_first=True).eval(),
+        "gradients recorded": lambda: fnn.MultiheadAttention(E, H, batch_first=True).eval(),
+        "key is not value": lambda: fnn.MultiheadAttention(E, H, batch_first=True).eval(),
+    }
+
+
+@pytest.mark.parametrize("setup", list(_mha_setups()))
+def test_multihead_attention_module_path_where_the_fused_call_does_not_apply(setup):
+    mha = _mha_setups()[setup]()
+    query, memory = _inputs("decoder", True)
+    key = value = memory
+    if setup.startswith("separate"):
+        key = value = torch.randn(N, S, E + 2)
+    if setup == "key is not value":
+        value = memory.clone()
+    with torch.set_grad_enabled(setup == "gradients recorded"):
+        (out, _), ops = fasttrans_ops_run(lambda: mha(query, key, value, need_weights=False))
+    assert MHA_OP not in ops and out.shape == query.shape
+
+
+@pytest.mark.parametrize("bad", ["attn_mask shape", "key_padding_mask shape", "integer mask",
+                                 "is_causal without a mask", "half-precision float mask"])
+def test_multihead_attention_errors_are_the_module_paths(bad, module_path):
+    mha = fnn.MultiheadAttention(E, H, batch_first=True).eval()
+    (x,) = _inputs("encoder", True)
+    masks = BAD[bad]
+
+    def error():
+        with pytest.raises(Exception) as info, torch.no_grad():
+            mha(x, x, x, key_padding_mask=masks.get("kpm"), attn_mask=masks.get("mask"),
+                is_causal=masks.get("is_causal", False))
+        return info.value
+
+    fused = error()
+    with module_path:
+        plain = error()
+    assert type(fused) is type(plain) and str(fused) == str(plain)
+
+
+def _mha_op_args(cross: bool, need_weights: bool, average: bool):
+    mha = fnn.MultiheadAttention(E, H, batch_first=True).eval()
+    query, memory = _inputs("decoder", True)
+    mask = torch.rand(L, S if cross else L) > 0.2
+    mask[:, 0] = True  # every query sees a key: no NaN weights, which would never compare equal
+    return [query, memory if cross else None, mha.in_proj_weight.detach(), mha.in_proj_bias.detach(),
+            mha.out_proj.weight.detach(), mha.out_proj.bias.detach(), mask,
+            torch.tensor([5, 2, 4], dtype=torch.int32), False, H, False, need_weights, average]
+
+
+@pytest.mark.parametrize("cross,need_weights,average", [(False, False, True), (True, True, True),
+                                                        (False, True, False)])
+def test_multihead_attention_opcheck(cross, need_weights, average):
+    fasttrans.backends.inference_ops()  # registers the fake implementation
+    torch.library.opcheck(torch.ops.fasttrans.multihead_attention_fwd_extension,
+                          _mha_op_args(cross, need_weights, average))
+
+
+MHA_OP_ERRORS = {
+    "in_weight": (lambda a: a.__setitem__(2, a[2][:20]), "in_weight: expected shape (48, 16)"),
+    "out_bias": (lambda a: a.__setitem__(5, torch.zeros(3)), "out_bias: expected shape (16,)"),
+    "num_heads": (lambda a: a.__setitem__(9, 3), "num_heads: expected a positive divisor"),
+    "kv": (lambda a: a.__setitem__(1, torch.randn(2, S, E)), "kv: expected the batch size"),
+    "attn_mask": (lambda a: a.__setitem__(6, torch.ones(2, 2, dtype=torch.bool)), "attn_mask: expected a shape"),
+    "query": (lambda a: a.__setitem__(0, a[0].int()), "query: expected a floating-point dtype"),
+}
+
+
+@pytest.mark.parametrize("bad", list(MHA_OP_ERRORS))
+@pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
+def test_the_multihead_attention_op_names_the_argument_at_fault(bad, need_weights):
+    fasttrans.backends.inference_ops()
+    args = _mha_op_args(cross=bad == "kv", need_weights=need_weights, average=True)
+    corrupt, message = MHA_OP_ERRORS[bad]
+    corrupt(args)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.fasttrans.multihead_attention_fwd_extension(*args)

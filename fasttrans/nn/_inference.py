@@ -22,6 +22,13 @@ The fused call is taken only where it computes exactly what the module path woul
 
 Anywhere else :func:`encoder_layer` / :func:`decoder_layer` return None and the layer runs
 its modules. Argument errors are the module path's: the same checks run first.
+
+A MultiheadAttention on its own (or in a layer that does not take the call above) runs in
+inference as one ``fasttrans::multihead_attention_fwd_extension`` call
+(:func:`multihead_attention`): the projections and the fused attention kernel, bit for bit
+the module path's; with ``need_weights`` the attention is computed from the materialised
+softmax weights instead, which it returns (within rounding of the module path's, NaN for a
+query with no allowed key, as torch).
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ from torch.nn import Linear, Module
 
 from .. import functional as FT
 from . import _masks
-from .attention import MultiheadAttention
+from . import attention as _attention  # a module reference: attention.py imports this module
 from .dropout import Dropout
 from .normalization import LayerNorm
 
-__all__ = ["encoder_layer", "decoder_layer"]
+__all__ = ["encoder_layer", "decoder_layer", "multihead_attention"]
 
 _RELU, _GELU, _GELU_TANH = 0, 1, 2  # the op's activation codes
 
@@ -67,7 +74,7 @@ def _dropout_off(m: Module) -> bool:
 
 
 def _attention_ok(m: Module, E: int) -> bool:
-    return (type(m) is MultiheadAttention and not m.training and m._qkv_same_embed_dim and m.bias_k is None
+    return (type(m) is _attention.MultiheadAttention and not m.training and m._qkv_same_embed_dim and m.bias_k is None
             and m.bias_v is None and not m.add_zero_attn and m.embed_dim == E and m.head_dim <= FT.MAX_HEAD_DIM
             and _plain(m))
 
@@ -144,7 +151,7 @@ def _weights(attentions, linear1, linear2, norms):
     return weights, biases, [p["weight"] for p in params], [p["bias"] for p in params], [float(n.eps) for n in norms]
 
 
-def _op_masks(attention: MultiheadAttention, query: Tensor, key: Tensor, key_padding_mask, attn_mask, is_causal):
+def _op_masks(attention, query: Tensor, key: Tensor, key_padding_mask, attn_mask, is_causal):
     """MultiheadAttention.forward's checks on (query, key, key, masks), then its masks in the op
     contract; also returns whether the input was batched."""
     query, key, _, key_padding_mask, batched, seq_first = attention._batched_inputs(
@@ -199,3 +206,34 @@ def decoder_layer(layer, tgt: Tensor, memory: Tensor, tgt_mask, memory_mask, tgt
              cross_masks.attn_mask, cross_masks.key_lengths, cross_masks.is_causal,
              self_attn.num_heads, activation, layer.norm_first, not (self_attn.batch_first and batched))
     return out if batched else out.squeeze(1)
+
+
+def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_mask, need_weights: bool,
+                        average_attn_weights: bool, is_causal: bool, qkv_same: bool, kv_same: bool,
+                        seq_first: bool, batch: int, tgt_len: int, src_len: int):
+    """(output, weights or None) of MultiheadAttention.forward in one fused call, for inputs
+    it has checked and given a batch dim; or None where the call does not apply: the module
+    in training mode, separate q/k/v projections, a key that is not the value, bias_k /
+    bias_v / add_zero_attn, large heads, gradients, autocast (and what
+    functional._attention_inference_op refuses)."""
+    if (mha.training or not kv_same or not mha._qkv_same_embed_dim or mha.bias_k is not None
+            or mha.bias_v is not None or mha.add_zero_attn or mha.head_dim > FT.MAX_HEAD_DIM):
+        return None
+    op = FT._attention_inference_op(query)
+    if op is None or torch.is_autocast_enabled("cpu"):
+        return None
+    own, out = mha._parameters, mha._modules["out_proj"]._parameters
+    in_weight, in_bias, out_weight, out_bias = own["in_proj_weight"], own["in_proj_bias"], out["weight"], out["bias"]
+    if (not (_tensor_ok(query, in_weight) and _tensor_ok(key, in_weight)
+             and _parameters_ok([in_bias, out_weight, out_bias, key], query))
+            or (torch.is_grad_enabled() and in_weight.requires_grad)
+            or _masks_need_grad(attn_mask, key_padding_mask)):
+        return None
+    masks = _masks.translate(
+        attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=need_weights, batch=batch,
+        heads=mha.num_heads, tgt_len=tgt_len, src_len=src_len,
+    )
+    output, weights = op(query, None if qkv_same else key, in_weight, in_bias, out_weight, out_bias,
+                         masks.attn_mask, masks.key_lengths, masks.is_causal, mha.num_heads, seq_first,
+                         need_weights, average_attn_weights)
+    return output, (weights if need_weights else None)

@@ -15,6 +15,10 @@ Data flow of one forward (shapes for batch_first=False; batch_first only moves N
       -> fasttrans.attention (need_weights=False): no (L, S) matrix anywhere
          or fasttrans.functional.attention_weights (need_weights=True): the materialising path
       -> out_proj -> (L, N, E)
+
+In inference (eval mode, nothing to differentiate, CPU, extension backend) a module with a
+packed projection whose key tensor is also the value runs all of it as one extension call
+instead (fasttrans/nn/_inference.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import backends
 from .. import functional as FT
-from . import _masks
+from . import _inference, _masks
 
 __all__ = ["MultiheadAttention"]
 
@@ -224,6 +228,17 @@ class MultiheadAttention(Module):
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
         H = self.num_heads
+
+        # inference: one extension call where it computes this path's result
+        fused = _inference.multihead_attention(
+            self, query, key, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
+            qkv_same, kv_same, seq_first, N, L, S)
+        if fused is not None:
+            out, weights = fused
+            if not is_batched:
+                out = out.squeeze(1)
+                weights = None if weights is None else weights.squeeze(0)
+            return out, weights
 
         q, k, v = self._in_projection(query, key, value, qkv_same, kv_same, seq_first)  # (N, H, L|S, D)
         extra = 0
