@@ -200,13 +200,14 @@ def mha_inputs(B, L, E, H, dtype, device):
     return build
 
 
-def _mha_step(module, inp, backend: str | None, mode: str = "fwd+bwd"):
+def _mha_step(module, inp, backend: str | None, mode: str = "fwd+bwd", need_weights: bool = False):
     """The module's forward+backward in train mode, or ("infer") its forward in eval mode
-    without gradients."""
+    without gradients; need_weights: the weights are asked for as well (and returned)."""
     x, params = inp.x, list(module.parameters())
 
     def forward(x):
-        return module(x, x, x, key_padding_mask=inp.key_padding_mask, need_weights=False)[0]
+        out, weights = module(x, x, x, key_padding_mask=inp.key_padding_mask, need_weights=need_weights)
+        return out if weights is None else (out, weights)
 
     if mode == "infer":
         module.eval()
@@ -220,9 +221,11 @@ def _mha_step(module, inp, backend: str | None, mode: str = "fwd+bwd"):
     return common.timed_call(forward, (x,), "fwd+bwd", backend, [x, *params], inp.dout)
 
 
-def mha_config(bench, B, L, E, H, dtype, sweep: str = "headline", mode: str = "fwd+bwd", case: str = "") -> Config:
+def mha_config(bench, B, L, E, H, dtype, sweep: str = "headline", mode: str = "fwd+bwd", case: str = "",
+               need_weights: bool = False) -> Config:
     """fasttrans.nn.MultiheadAttention against torch.nn's with the same weights, self-attention
-    with a right-padding key_padding_mask; mode "fwd+bwd" (train mode) or "infer"."""
+    with a right-padding key_padding_mask; mode "fwd+bwd" (train mode) or "infer";
+    need_weights=True also asks for the (head-averaged) attention weights."""
     entries = []
     for p in bench.providers("attention"):
         if p.backend is not None:
@@ -231,17 +234,19 @@ def mha_config(bench, B, L, E, H, dtype, sweep: str = "headline", mode: str = "f
                 module = _fasttrans_mha_class()(t.embed_dim, t.num_heads, batch_first=True,
                                                 device=inp.x.device, dtype=inp.x.dtype)
                 module.load_state_dict(t.state_dict())  # the same weights as torch's module
-                return _mha_step(module, inp, backend, mode)
+                return _mha_step(module, inp, backend, mode, need_weights)
 
             skip = reference_skip(bench.device, B, H, L, L, dtype, bench.quick) if p.backend == "reference" else None
             entries.append(Entry(p, make, skip=skip))
         elif p.name == "torch":
-            entries.append(Entry(p, lambda inp: _mha_step(inp.torch_module, inp, None, mode)))
+            entries.append(Entry(p, lambda inp: _mha_step(inp.torch_module, inp, None, mode, need_weights)))
         elif p.name == "torch-compile":
-            entries.append(Entry(p, lambda inp: _mha_step(common.fresh_compile(inp.torch_module), inp, None, mode)))
+            entries.append(Entry(p, lambda inp: _mha_step(common.fresh_compile(inp.torch_module), inp, None, mode,
+                                                          need_weights)))
     return Config(
         sweep=sweep, case=case or f"MultiheadAttention key_padding {mode}", op="multihead_attention", mode=mode,
-        dtype=dtype, params={"B": B, "L": L, "E": E, "H": H, "mask": "key_padding"},
+        dtype=dtype, params={"B": B, "L": L, "E": E, "H": H, "mask": "key_padding",
+                             **({"need_weights": True} if need_weights else {})},
         inputs=mha_inputs(B, L, E, H, dtype, bench.device), entries=entries,
         work=mha_flops(B, L, E, mode), work_unit="FLOP",
     )
@@ -311,6 +316,10 @@ def configs(bench: common.Bench, masks, modes, seq_lens, head_dims):
     for mode in ("infer", "fwd+bwd"):
         if keep(L, E // H, "key_padding", "fwd" if mode == "infer" else mode):
             yield mha_config(bench, B, L, E, H, fp32, sweep="short", mode=mode, case=f"module 1 x 8 {mode}")
+    for L in (8, 91):  # need_weights=True, torch's default: the weights are materialised and returned
+        if keep(L, E // H, "key_padding", "fwd"):
+            yield mha_config(bench, B, L, E, H, fp32, sweep="short", mode="infer", need_weights=True,
+                             case=f"module 1 x {L} infer, weights")
 
 
 def main(argv=None) -> int:
