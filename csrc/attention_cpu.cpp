@@ -137,8 +137,7 @@ std::optional<at::Tensor> canonical_mask(const std::optional<at::Tensor>& attn_m
 
 at::Tensor canonical_lengths(const std::optional<at::Tensor>& key_lengths, int64_t B) {
   if (!key_lengths.has_value() || !key_lengths->defined()) return at::Tensor();
-  TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B, "key_lengths: expected shape (", B,
-              ",), got ", key_lengths->sizes());
+  checks::key_lengths_shape(*key_lengths, B);
   return key_lengths->to(at::kInt).contiguous();
 }
 

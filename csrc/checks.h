@@ -23,6 +23,12 @@ inline void mask_broadcasts(const at::Tensor& mask, int64_t B, int64_t H, int64_
               Lk, "), got ", mask.sizes());
 }
 
+// key_lengths: one length per batch entry.
+inline void key_lengths_shape(const at::Tensor& key_lengths, int64_t B) {
+  TORCH_CHECK(key_lengths.dim() == 1 && key_lengths.size(0) == B, "key_lengths: expected shape (", B, ",), got ",
+              key_lengths.sizes());
+}
+
 inline void floating(const at::Tensor& t, const char* name) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, ": expected a floating-point dtype, got ", t.scalar_type());
 }

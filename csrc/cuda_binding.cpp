@@ -121,8 +121,7 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   }
   a.key_lengths = nullptr;
   if (key_lengths.has_value() && key_lengths->defined()) {
-    TORCH_CHECK(key_lengths->dim() == 1 && key_lengths->size(0) == B, "key_lengths: expected shape (", B, ",), got ",
-                key_lengths->sizes());
+    checks::key_lengths_shape(*key_lengths, B);
     in.lengths = key_lengths->to(q_in.device(), at::kInt).contiguous();
     a.key_lengths = in.lengths.data_ptr<int32_t>();
   }

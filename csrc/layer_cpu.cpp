@@ -1,6 +1,8 @@
-// One Transformer encoder or decoder layer's inference forward, on the CPU, in one op.
+// Inference forwards of whole fasttrans.nn modules on the CPU, each in one op: a Transformer
+// encoder or decoder layer (transformer_layer_fwd), and a MultiheadAttention
+// (multihead_attention_fwd, below).
 //
-// fasttrans.nn's layers run this in eval mode when nothing needs a gradient: the same
+// fasttrans.nn's layers run the first in eval mode when nothing needs a gradient: the same
 // computation as their module path (the same GEMM calls, this extension's attention and
 // Add & Norm kernels, in the same order), without the dozens of Python-level op calls
 // between them, which at a batch of one short sequence cost as much as the kernels.
@@ -16,12 +18,12 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/softmax.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/relu.h>
+#include <ATen/ops/softmax.h>
 
 #include <cmath>
 #include <limits>
@@ -74,6 +76,7 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std
     }
   }
   if (key_lengths.has_value()) {
+    checks::key_lengths_shape(*key_lengths, s.size(0));
     const at::Tensor positions = at::arange(s.size(3), key_lengths->options().dtype(at::kLong));
     s.masked_fill_(positions.view({1, 1, 1, -1}).ge(key_lengths->to(at::kLong).view({-1, 1, 1, 1})), neg_inf);
   }
@@ -102,20 +105,15 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const Atte
     k = pkv.select(2, 0);
     v = pkv.select(2, 1);
   }
-  std::optional<at::Tensor> mask = a.mask;
-  if (mask.has_value() && mask->scalar_type() != at::kBool && mask->scalar_type() != x.scalar_type() &&
-      mask->scalar_type() != at::kFloat) {
-    mask = mask->to(x.scalar_type());  // the float mask dtypes the kernel reads
-  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor out;
   if (weights != nullptr) {
-    *weights = attention_weights(split_heads(q, seq_first), split_heads(k, seq_first), mask, a.key_lengths,
+    *weights = attention_weights(split_heads(q, seq_first), split_heads(k, seq_first), a.mask, a.key_lengths,
                                  a.is_causal, scale);
     out = at::matmul(*weights, split_heads(v, seq_first));
   } else {
     out = std::get<0>(attention_fwd(split_heads(q, seq_first), split_heads(k, seq_first), split_heads(v, seq_first),
-                                    mask, a.key_lengths, a.is_causal, /*causal_offset=*/0, /*dropout_p=*/0.0, scale,
+                                    a.mask, a.key_lengths, a.is_causal, /*causal_offset=*/0, /*dropout_p=*/0.0, scale,
                                     /*seed=*/0));
   }
   // (N, H, L, D) -> (A, B, H, D) rows of E features, then the output projection
@@ -151,6 +149,24 @@ void check_vector(const std::optional<at::Tensor>& b, const char* name, int64_t 
               x.scalar_type(), " on ", x.device(), " (from x), got ", b->scalar_type(), " on ", b->device());
 }
 
+// x: the (L, N, E) or (N, L, E) input of a module with num_heads heads
+void check_input(const at::Tensor& x, const char* name, int64_t num_heads) {
+  TORCH_CHECK(x.dim() == 3, name, ": expected a 3-D (L, N, E) or (N, L, E) tensor, got shape ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), name, ": expected a floating-point dtype, got ", x.scalar_type());
+  TORCH_CHECK(num_heads > 0 && x.size(2) % num_heads == 0,
+              "num_heads: expected a positive divisor of the embedding size ", x.size(2), ", got ", num_heads);
+}
+
+// src: the sequence x attends (memory, or MultiheadAttention's key and value), in x's layout
+void check_source(const at::Tensor& src, const char* name, const at::Tensor& x, const char* x_name, bool seq_first) {
+  const int64_t n = seq_first ? 1 : 0;
+  TORCH_CHECK(src.dim() == 3 && src.size(n) == x.size(n) && src.size(2) == x.size(2), name,
+              ": expected the batch size and embedding size of ", x_name, " ", x.sizes(), ", got shape ", src.sizes());
+  TORCH_CHECK(src.scalar_type() == x.scalar_type() && src.device() == x.device(), name, ": expected ",
+              x.scalar_type(), " on ", x.device(), " (from ", x_name, "), got ", src.scalar_type(), " on ",
+              src.device());
+}
+
 }  // namespace
 
 at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Tensor>& memory,
@@ -164,8 +180,7 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
                                  int64_t num_heads, int64_t activation, bool norm_first, bool seq_first) {
   const bool decoder = memory.has_value() && memory->defined();
   const size_t n_linear = decoder ? 6 : 4, n_norm = decoder ? 3 : 2;
-  TORCH_CHECK(x.dim() == 3, "x: expected a 3-D (L, N, E) or (N, L, E) tensor, got shape ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x: expected a floating-point dtype, got ", x.scalar_type());
+  check_input(x, "x", num_heads);
   TORCH_CHECK(weights.size() == n_linear && biases.size() == n_linear, "weights, biases: expected ", n_linear,
               " of each (", decoder ? "a decoder layer" : "an encoder layer", "), got ", weights.size(), " and ",
               biases.size());
@@ -175,15 +190,15 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
   TORCH_CHECK(activation >= 0 && activation <= 2, "activation: expected 0 (relu), 1 (gelu) or 2 (gelu, tanh), got ",
               activation);
   const int64_t E = x.size(2);
-  TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "num_heads: expected a positive divisor of the embedding size ",
-              E, ", got ", num_heads);
   const int64_t F = weights[n_linear - 2].dim() == 2 ? weights[n_linear - 2].size(0) : -1;  // checked below
   static const char* const kWeightNames[] = {"weights[0] (self-attention in_proj)", "weights[1] (self-attention out_proj)",
                                              "weights[2] (cross-attention in_proj)", "weights[3] (cross-attention out_proj)"};
+  static const char* const kBiasNames[] = {"biases[0] (self-attention in_proj)", "biases[1] (self-attention out_proj)",
+                                           "biases[2] (cross-attention in_proj)", "biases[3] (cross-attention out_proj)"};
   for (size_t i = 0; i + 2 < n_linear; ++i) {
     const int64_t rows = i % 2 == 0 ? 3 * E : E;
     check_weight(weights[i], kWeightNames[i], rows, E, x);
-    check_vector(optional_at(biases, i), "biases (attention)", rows, x);
+    check_vector(optional_at(biases, i), kBiasNames[i], rows, x);
   }
   check_weight(weights[n_linear - 2], "linear1 weight", F, E, x);
   check_vector(optional_at(biases, n_linear - 2), "linear1 bias", F, x);
@@ -191,21 +206,13 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
   check_vector(optional_at(biases, n_linear - 1), "linear2 bias", E, x);
   std::vector<Norm> norms;
   for (size_t i = 0; i < n_norm; ++i) {
-    check_vector(optional_at(norm_weights, i), "norm_weights", E, x);
-    check_vector(optional_at(norm_biases, i), "norm_biases", E, x);
-    TORCH_CHECK(norm_eps[i] >= 0 && std::isfinite(norm_eps[i]), "norm_eps: expected finite non-negative values, got ",
-                norm_eps[i]);
-    norms.push_back({optional_at(norm_weights, i), optional_at(norm_biases, i), norm_eps[i]});
+    const Norm n{optional_at(norm_weights, i), optional_at(norm_biases, i), norm_eps[i]};
+    check_vector(n.weight, "norm_weights", E, x);
+    check_vector(n.bias, "norm_biases", E, x);
+    TORCH_CHECK(n.eps >= 0 && std::isfinite(n.eps), "norm_eps: expected finite non-negative values, got ", n.eps);
+    norms.push_back(n);
   }
-  if (decoder) {
-    TORCH_CHECK(memory->dim() == 3 && memory->size(seq_first ? 1 : 0) == x.size(seq_first ? 1 : 0) &&
-                    memory->size(2) == E,
-                "memory: expected the batch size and embedding size of x ", x.sizes(), ", got shape ",
-                memory->sizes());
-    TORCH_CHECK(memory->scalar_type() == x.scalar_type() && memory->device() == x.device(), "memory: expected ",
-                x.scalar_type(), " on ", x.device(), " (from x), got ", memory->scalar_type(), " on ",
-                memory->device());
-  }
+  if (decoder) check_source(*memory, "memory", x, "x", seq_first);
 
   const AttentionArgs self_attn{weights[0], weights[1], optional_at(biases, 0), optional_at(biases, 1),
                                 self_mask, self_key_lengths, self_is_causal};
@@ -249,25 +256,14 @@ std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
     const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths, bool is_causal,
     int64_t num_heads, bool seq_first, bool need_weights, bool average_weights) {
-  TORCH_CHECK(query.dim() == 3, "query: expected a 3-D (L, N, E) or (N, L, E) tensor, got shape ", query.sizes());
-  TORCH_CHECK(at::isFloatingType(query.scalar_type()), "query: expected a floating-point dtype, got ",
-              query.scalar_type());
+  check_input(query, "query", num_heads);
   const int64_t E = query.size(2);
-  TORCH_CHECK(num_heads > 0 && E % num_heads == 0, "num_heads: expected a positive divisor of the embedding size ",
-              E, ", got ", num_heads);
   check_weight(in_weight, "in_weight", 3 * E, E, query);
   check_vector(in_bias, "in_bias", 3 * E, query);
   check_weight(out_weight, "out_weight", E, E, query);
   check_vector(out_bias, "out_bias", E, query);
   const bool self = !(kv.has_value() && kv->defined());
-  if (!self) {
-    const int64_t n = seq_first ? 1 : 0;
-    TORCH_CHECK(kv->dim() == 3 && kv->size(n) == query.size(n) && kv->size(2) == E,
-                "kv: expected the batch size and embedding size of query ", query.sizes(), ", got shape ", kv->sizes());
-    TORCH_CHECK(kv->scalar_type() == query.scalar_type() && kv->device() == query.device(), "kv: expected ",
-                query.scalar_type(), " on ", query.device(), " (from query), got ", kv->scalar_type(), " on ",
-                kv->device());
-  }
+  if (!self) check_source(*kv, "kv", query, "query", seq_first);
   const AttentionArgs args{in_weight, out_weight, in_bias, out_bias, attn_mask, key_lengths, is_causal};
   at::Tensor weights;
   at::Tensor out = attention_block(query, self ? nullptr : &*kv, args, num_heads, seq_first,

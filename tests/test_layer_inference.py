@@ -538,6 +538,8 @@ MHA_OP_ERRORS = {
     "kv": (lambda a: a.__setitem__(1, torch.randn(2, S, E)), "kv: expected the batch size"),
     "attn_mask": (lambda a: a.__setitem__(6, torch.ones(2, 2, dtype=torch.bool)), "attn_mask: expected a shape"),
     "query": (lambda a: a.__setitem__(0, a[0].int()), "query: expected a floating-point dtype"),
+    "key_lengths": (lambda a: a.__setitem__(7, torch.tensor([1, 2], dtype=torch.int32)),
+                    "key_lengths: expected shape (3,)"),
 }
 
 
