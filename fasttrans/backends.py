@@ -838,7 +838,7 @@ def ops_for(name: str):
     return handles
 
 
-_inference_ops: list = []  # the extension's whole-module inference ops, once registered
+_inference_ops: tuple = ()  # the extension's whole-module inference ops, once registered
 
 
 def inference_ops() -> tuple:
@@ -847,6 +847,7 @@ def inference_ops() -> tuple:
     MultiheadAttention on the CPU (csrc/layer_cpu.cpp). Loads the extension and gives them
     their fake implementations on first use. They have no autograd formulas: callers use
     them only when no input needs a gradient."""
+    global _inference_ops
     if not _inference_ops:
         ops_for("extension")
 
@@ -870,8 +871,8 @@ def inference_ops() -> tuple:
             return out, query.new_empty((N, L, S) if average_weights else (N, num_heads, L, S))
 
         ns = torch.ops.fasttrans
-        _inference_ops.extend((ns.transformer_layer_fwd_extension, ns.multihead_attention_fwd_extension))
-    return tuple(_inference_ops)
+        _inference_ops = (ns.transformer_layer_fwd_extension, ns.multihead_attention_fwd_extension)
+    return _inference_ops
 
 
 def dropout_ops_for(name: str):

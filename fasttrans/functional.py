@@ -601,11 +601,12 @@ def rms_norm(
 # --------------------------------------------------------------------------------------
 # whole layers, inference
 # --------------------------------------------------------------------------------------
-def _inference_ops_allowed(x: torch.Tensor) -> bool:
+def _inference_ops_allowed(x: torch.Tensor, ops: tuple[str, ...]) -> bool:
     """Whether the extension's whole-module inference ops (csrc/layer_cpu.cpp) may run a
     module on ``x``: eager mode outside torch.func transforms and forward-mode AD, a CPU
-    tensor, and the extension backend chosen (automatically or forced) for both attention
-    and the norms in ``x``'s dtype. Where not, the module calls the ops one by one.
+    tensor, and the extension backend chosen (automatically or forced) for each of ``ops``
+    (the functional ops the module would call) in ``x``'s dtype. Where not, the module calls
+    the ops one by one.
 
     Those ops compute what the module's op calls compute (the same kernels in the same
     order), saving the Python work between them; they have no autograd, and fasttrans.nn
@@ -613,21 +614,20 @@ def _inference_ops_allowed(x: torch.Tensor) -> bool:
     if (x.device.type != "cpu" or _is_compiling() or _functorch.maybe_current_level() is not None
             or getattr(_fwAD, "_current_level", 0) >= 0):
         return False
-    dtype = x.dtype
-    return (backends.select_backend("attention", "cpu", dtype).name == "extension"
-            and backends.select_backend("norm", "cpu", dtype).name == "extension")
+    return all(backends.select_backend(op, "cpu", x.dtype).name == "extension" for op in ops)
 
 
 def _layer_inference_op(x: torch.Tensor):
     """``fasttrans::transformer_layer_fwd_extension``, one encoder or decoder layer's
-    inference forward, where :func:`_inference_ops_allowed` for ``x``; else None."""
-    return backends.inference_ops()[0] if _inference_ops_allowed(x) else None
+    inference forward (attention and norms), where :func:`_inference_ops_allowed` for ``x``;
+    else None."""
+    return backends.inference_ops()[0] if _inference_ops_allowed(x, ("attention", "norm")) else None
 
 
 def _attention_inference_op(x: torch.Tensor):
     """``fasttrans::multihead_attention_fwd_extension``, one MultiheadAttention's inference
     forward, where :func:`_inference_ops_allowed` for ``x``; else None."""
-    return backends.inference_ops()[1] if _inference_ops_allowed(x) else None
+    return backends.inference_ops()[1] if _inference_ops_allowed(x, ("attention",)) else None
 
 
 # --------------------------------------------------------------------------------------

@@ -73,10 +73,23 @@ def _dropout_off(m: Module) -> bool:
     return type(m) in (Dropout, torch.nn.Dropout) and not m.training and 0.0 <= m.p <= 1.0 and _plain(m)
 
 
+def _attention_supported(m: Module) -> bool:
+    """A MultiheadAttention whose forward the ops compute: eval mode, one packed in-projection,
+    no appended keys, heads the kernels take."""
+    return (not m.training and m._qkv_same_embed_dim and m.bias_k is None and m.bias_v is None
+            and not m.add_zero_attn and m.head_dim <= FT.MAX_HEAD_DIM)
+
+
 def _attention_ok(m: Module, E: int) -> bool:
-    return (type(m) is _attention.MultiheadAttention and not m.training and m._qkv_same_embed_dim and m.bias_k is None
-            and m.bias_v is None and not m.add_zero_attn and m.embed_dim == E and m.head_dim <= FT.MAX_HEAD_DIM
-            and _plain(m))
+    """A layer's attention part: also exactly fasttrans's class, E features, no hooks or pin."""
+    return type(m) is _attention.MultiheadAttention and m.embed_dim == E and _attention_supported(m) and _plain(m)
+
+
+def _attention_parameters(m: Module) -> tuple:
+    """(in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias), read from the
+    _parameters dicts: a module attribute lookup of a parameter goes through Module.__getattr__."""
+    own, out = m._parameters, m._modules["out_proj"]._parameters
+    return own["in_proj_weight"], own["in_proj_bias"], out["weight"], out["bias"]
 
 
 def _norm_ok(m: Module, E: int) -> bool:
@@ -87,13 +100,14 @@ def _linear_ok(m: Module) -> bool:
     return type(m) is Linear and _plain(m)
 
 
-def _tensor_ok(t: Tensor, like: Tensor) -> bool:
-    return (type(t) is Tensor and t.layout == torch.strided and not t.is_nested and t.dtype == like.dtype
-            and t.device == like.device and t.numel() > 0)
+def _input_ok(t) -> bool:
+    """A plain, non-empty strided tensor (no subclass, nested or sparse tensor)."""
+    return type(t) is Tensor and t.layout == torch.strided and not t.is_nested and t.numel() > 0
 
 
-def _parameters_ok(tensors: list, x: Tensor) -> bool:
-    """Every tensor given is in the dtype of x (a CPU tensor) and on the CPU, and none needs a gradient."""
+def _no_grad_same_dtype(tensors: list, x: Tensor) -> bool:
+    """Every tensor given (None allowed) is a CPU tensor in the dtype of x (a CPU tensor), and
+    neither x nor any of them records a gradient."""
     dtype = x.dtype
     if not torch.is_grad_enabled():
         return all(t is None or (t.dtype is dtype and t.is_cpu) for t in tensors)
@@ -105,11 +119,16 @@ def _masks_need_grad(*masks) -> bool:
     return torch.is_grad_enabled() and any(isinstance(m, Tensor) and m.requires_grad for m in masks)
 
 
-def _layer_parts(layer: Module, x: Tensor, attention_names: tuple[str, ...], norm_names: tuple[str, ...],
-                 dropout_names: tuple[str, ...]):
+# the submodules each layer kind calls: (attentions, norms, dropouts)
+_ENCODER_PARTS = (("self_attn",), ("norm1", "norm2"), ("dropout", "dropout1", "dropout2"))
+_DECODER_PARTS = (("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
+                  ("dropout", "dropout1", "dropout2", "dropout3"))
+
+
+def _layer_parts(layer: Module, x: Tensor, parts: tuple):
     """(op, attention modules, linear1, linear2, norms, activation code) when the layer may
     take the fused call on x (see the module docstring), else None."""
-    if layer.training or type(x) is not Tensor or x.dim() not in (2, 3):
+    if layer.training or not _input_ok(x) or x.dim() not in (2, 3):
         return None
     op = FT._layer_inference_op(x)
     if op is None or torch.is_autocast_enabled("cpu"):
@@ -118,6 +137,7 @@ def _layer_parts(layer: Module, x: Tensor, attention_names: tuple[str, ...], nor
     if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
             or g._global_backward_pre_hooks):
         return None
+    attention_names, norm_names, dropout_names = parts
     modules = layer._modules
     E = x.shape[-1]
     attentions = [modules.get(n) for n in attention_names]
@@ -136,21 +156,6 @@ def _layer_parts(layer: Module, x: Tensor, attention_names: tuple[str, ...], nor
     return op, attentions, linear1, linear2, norms, code
 
 
-def _weights(attentions, linear1, linear2, norms):
-    """The op's weight, bias and norm lists (read from the _parameters dicts: a module
-    attribute lookup of a parameter goes through Module.__getattr__)."""
-    weights, biases = [], []
-    for m in attentions:
-        own, out = m._parameters, m._modules["out_proj"]._parameters
-        weights += (own["in_proj_weight"], out["weight"])
-        biases += (own["in_proj_bias"], out["bias"])
-    one, two = linear1._parameters, linear2._parameters
-    weights += (one["weight"], two["weight"])
-    biases += (one["bias"], two["bias"])
-    params = [n._parameters for n in norms]
-    return weights, biases, [p["weight"] for p in params], [p["bias"] for p in params], [float(n.eps) for n in norms]
-
-
 def _op_masks(attention, query: Tensor, key: Tensor, key_padding_mask, attn_mask, is_causal):
     """MultiheadAttention.forward's checks on (query, key, key, masks), then its masks in the op
     contract; also returns whether the input was batched."""
@@ -164,76 +169,76 @@ def _op_masks(attention, query: Tensor, key: Tensor, key_padding_mask, attn_mask
     return masks, batched
 
 
-def encoder_layer(layer, src: Tensor, src_mask, src_key_padding_mask, is_causal) -> Tensor | None:
-    """TransformerEncoderLayer.forward in one fused call, or None where it does not apply."""
-    parts = _layer_parts(layer, src, ("self_attn",), ("norm1", "norm2"), ("dropout", "dropout1", "dropout2"))
+def _layer(layer, x: Tensor, memory: Tensor | None, self_args: tuple, cross_args: tuple | None) -> Tensor | None:
+    """An encoder (memory None) or decoder layer's forward in one fused call, or None where it
+    does not apply. self_args, cross_args: (attn_mask, key_padding_mask, is_causal) of each
+    attention, in torch.nn's conventions."""
+    parts = _layer_parts(layer, x, _ENCODER_PARTS if memory is None else _DECODER_PARTS)
     if parts is None:
         return None
     op, attentions, linear1, linear2, norms, activation = parts
-    weights, biases, norm_weights, norm_biases, norm_eps = _weights(attentions, linear1, linear2, norms)
-    if (not (_tensor_ok(src, weights[0]) and _parameters_ok([*weights, *biases, *norm_weights, *norm_biases], src))
-            or _masks_need_grad(src_mask, src_key_padding_mask)):
+    weights, biases = [], []
+    for m in attentions:
+        in_weight, in_bias, out_weight, out_bias = _attention_parameters(m)
+        weights += (in_weight, out_weight)
+        biases += (in_bias, out_bias)
+    one, two = linear1._parameters, linear2._parameters
+    weights += (one["weight"], two["weight"])
+    biases += (one["bias"], two["bias"])
+    norm_parameters = [n._parameters for n in norms]
+    norm_weights = [p["weight"] for p in norm_parameters]
+    norm_biases = [p["bias"] for p in norm_parameters]
+    sources = [] if memory is None else [memory]
+    if (not all(_input_ok(t) and t.dim() == x.dim() for t in sources)
+            or not _no_grad_same_dtype([*weights, *biases, *norm_weights, *norm_biases, *sources], x)
+            or _masks_need_grad(*self_args[:2], *(cross_args or ())[:2])):
         return None
-    attention = attentions[0]
-    masks, batched = _op_masks(attention, src, src, src_key_padding_mask, src_mask, is_causal)
-    x = src if batched else src.unsqueeze(1)
-    out = op(x, None, weights, biases, norm_weights, norm_biases, norm_eps,
-             masks.attn_mask, masks.key_lengths, masks.is_causal, None, None, False,
-             attention.num_heads, activation, layer.norm_first, not (attention.batch_first and batched))
+    self_masks, batched = _op_masks(attentions[0], x, x, self_args[1], self_args[0], self_args[2])
+    cross_masks = None
+    if memory is not None:
+        cross_masks, _ = _op_masks(attentions[1], x, memory, cross_args[1], cross_args[0], cross_args[2])
+        memory = memory if batched else memory.unsqueeze(1)
+    out = op(x if batched else x.unsqueeze(1), memory, weights, biases, norm_weights, norm_biases,
+             [float(n.eps) for n in norms], self_masks.attn_mask, self_masks.key_lengths, self_masks.is_causal,
+             *((cross_masks.attn_mask, cross_masks.key_lengths, cross_masks.is_causal) if cross_masks else
+               (None, None, False)),
+             attentions[0].num_heads, activation, layer.norm_first, not (attentions[0].batch_first and batched))
     return out if batched else out.squeeze(1)
+
+
+def encoder_layer(layer, src: Tensor, src_mask, src_key_padding_mask, is_causal) -> Tensor | None:
+    """TransformerEncoderLayer.forward in one fused call, or None where it does not apply."""
+    return _layer(layer, src, None, (src_mask, src_key_padding_mask, is_causal), None)
 
 
 def decoder_layer(layer, tgt: Tensor, memory: Tensor, tgt_mask, memory_mask, tgt_key_padding_mask,
                   memory_key_padding_mask, tgt_is_causal, memory_is_causal) -> Tensor | None:
     """TransformerDecoderLayer.forward in one fused call, or None where it does not apply."""
-    parts = _layer_parts(layer, tgt, ("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
-                         ("dropout", "dropout1", "dropout2", "dropout3"))
-    if parts is None:
-        return None
-    op, attentions, linear1, linear2, norms, activation = parts
-    weights, biases, norm_weights, norm_biases, norm_eps = _weights(attentions, linear1, linear2, norms)
-    if (not (_tensor_ok(tgt, weights[0]) and type(memory) is Tensor and _tensor_ok(memory, weights[0])
-             and memory.dim() == tgt.dim()
-             and _parameters_ok([*weights, *biases, *norm_weights, *norm_biases, memory], tgt))
-            or _masks_need_grad(tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)):
-        return None
-    self_attn, cross_attn = attentions
-    self_masks, batched = _op_masks(self_attn, tgt, tgt, tgt_key_padding_mask, tgt_mask, tgt_is_causal)
-    cross_masks, _ = _op_masks(cross_attn, tgt, memory, memory_key_padding_mask, memory_mask, memory_is_causal)
-    x, mem = (tgt, memory) if batched else (tgt.unsqueeze(1), memory.unsqueeze(1))
-    out = op(x, mem, weights, biases, norm_weights, norm_biases, norm_eps,
-             self_masks.attn_mask, self_masks.key_lengths, self_masks.is_causal,
-             cross_masks.attn_mask, cross_masks.key_lengths, cross_masks.is_causal,
-             self_attn.num_heads, activation, layer.norm_first, not (self_attn.batch_first and batched))
-    return out if batched else out.squeeze(1)
+    return _layer(layer, tgt, memory, (tgt_mask, tgt_key_padding_mask, tgt_is_causal),
+                  (memory_mask, memory_key_padding_mask, memory_is_causal))
 
 
 def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_mask, need_weights: bool,
                         average_attn_weights: bool, is_causal: bool, qkv_same: bool, kv_same: bool,
                         seq_first: bool, batch: int, tgt_len: int, src_len: int):
     """(output, weights or None) of MultiheadAttention.forward in one fused call, for inputs
-    it has checked and given a batch dim; or None where the call does not apply: the module
-    in training mode, separate q/k/v projections, a key that is not the value, bias_k /
-    bias_v / add_zero_attn, large heads, gradients, autocast (and what
-    functional._attention_inference_op refuses)."""
-    if (mha.training or not kv_same or not mha._qkv_same_embed_dim or mha.bias_k is not None
-            or mha.bias_v is not None or mha.add_zero_attn or mha.head_dim > FT.MAX_HEAD_DIM):
+    it has checked and given a batch dim; or None where the call does not apply: a module the
+    ops do not compute (:func:`_attention_supported`), a key that is not the value, gradients,
+    autocast (and what functional._attention_inference_op refuses). Hooks and a backend pin
+    on the module itself are served by its __call__ and forward already."""
+    if not kv_same or not _attention_supported(mha):
         return None
     op = FT._attention_inference_op(query)
     if op is None or torch.is_autocast_enabled("cpu"):
         return None
-    own, out = mha._parameters, mha._modules["out_proj"]._parameters
-    in_weight, in_bias, out_weight, out_bias = own["in_proj_weight"], own["in_proj_bias"], out["weight"], out["bias"]
-    if (not (_tensor_ok(query, in_weight) and _tensor_ok(key, in_weight)
-             and _parameters_ok([in_bias, out_weight, out_bias, key], query))
-            or (torch.is_grad_enabled() and in_weight.requires_grad)
+    parameters = _attention_parameters(mha)
+    if (not (_input_ok(query) and _input_ok(key) and _no_grad_same_dtype([*parameters, key], query))
             or _masks_need_grad(attn_mask, key_padding_mask)):
         return None
     masks = _masks.translate(
         attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=need_weights, batch=batch,
         heads=mha.num_heads, tgt_len=tgt_len, src_len=src_len,
     )
-    output, weights = op(query, None if qkv_same else key, in_weight, in_bias, out_weight, out_bias,
-                         masks.attn_mask, masks.key_lengths, masks.is_causal, mha.num_heads, seq_first,
-                         need_weights, average_attn_weights)
+    output, weights = op(query, None if qkv_same else key, *parameters, masks.attn_mask, masks.key_lengths,
+                         masks.is_causal, mha.num_heads, seq_first, need_weights, average_attn_weights)
     return output, (weights if need_weights else None)
