@@ -45,6 +45,12 @@ def make_key_lengths(B: int, Lk: int, device, *, zero: bool = False) -> torch.Te
     return kl
 
 
+def right_padded(lengths, total: int) -> torch.Tensor:
+    """(N, total) bool key padding mask in torch.nn's convention (True = pad) of sequences of
+    the given lengths, padded on the right."""
+    return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+
+
 def make_bool_mask(shape, device, p_keep: float = 0.7) -> torch.Tensor:
     return torch.rand(shape, device=device) < p_keep
 

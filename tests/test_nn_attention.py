@@ -18,6 +18,7 @@ import fasttrans.functional as FT
 import fasttrans.nn as fnn
 from fasttrans import reference
 from fasttrans.nn import _masks
+from helpers import right_padded
 
 F64 = torch.float64
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
@@ -87,9 +88,6 @@ def _seq(n_or_len, len_or_n, dim, batch_first, dtype=F64):
     return torch.randn(shape, dtype=dtype)
 
 
-def _right_padded(lengths, total):
-    return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]  # (N, total) True = pad
-
 
 def _masks_for(kind, Lq, Sk, dtype=F64):
     """(attn_mask, key_padding_mask) of a kind, torch.nn conventions, no fully masked row."""
@@ -109,17 +107,17 @@ def _masks_for(kind, Lq, Sk, dtype=F64):
         m = torch.randn(N * H, Lq, Sk, dtype=dtype).masked_fill(torch.rand(N * H, Lq, Sk) < 0.2, float("-inf"))
         return m.index_fill(-1, torch.tensor([1]), 0.0), None  # key 1 always allowed
     if kind == "kpm":
-        return None, _right_padded([Sk, 3, 1], Sk)
+        return None, right_padded([Sk, 3, 1], Sk)
     if kind == "kpm_scattered":
         kpm = torch.rand(N, Sk) < 0.4
         kpm[:, 2] = False
         return None, kpm
     if kind == "kpm_float":
-        return None, torch.randn(N, Sk, dtype=dtype).masked_fill(_right_padded([Sk, 4, 2], Sk), float("-inf"))
+        return None, torch.randn(N, Sk, dtype=dtype).masked_fill(right_padded([Sk, 4, 2], Sk), float("-inf"))
     if kind == "both":
-        return causal_bool, _right_padded([Sk, 3, 1], Sk)
+        return causal_bool, right_padded([Sk, 3, 1], Sk)
     if kind == "mixed":  # the common seq2seq pair: float causal mask + bool padding mask (torch warns)
-        return causal_float, _right_padded([Sk, 4, 2], Sk)
+        return causal_float, right_padded([Sk, 4, 2], Sk)
     raise ValueError(kind)
 
 
@@ -166,7 +164,7 @@ def test_seeded_init_and_state_dict_match_torch(kwargs):
 def test_merge_masks_is_torchs():
     t, f = _pair(embed_dim=E, num_heads=H, batch_first=True)
     query = torch.randn(N, L, E)
-    kpm = _right_padded([L, 3, 2], L)
+    kpm = right_padded([L, 3, 2], L)
     for masks in ((None, None), (torch.rand(L, L) > 0.5, None), (None, kpm), (torch.rand(L, L) > 0.5, kpm)):
         got, want = f.merge_masks(*masks, query), t.merge_masks(*masks, query)
         assert got[1] == want[1] and (got[0] is None) == (want[0] is None)
@@ -287,7 +285,7 @@ def test_is_causal_hint_as_torch(truthful, need_weights, with_kpm):
     t, f = _pair(embed_dim=E, num_heads=H, dtype=F64)
     x = _seq(N, L, E, False)
     attn_mask = _masks_for("bool_causal" if truthful else "bool", L, L)[0]
-    kpm = _right_padded([L, 3, 2], L) if with_kpm else None
+    kpm = right_padded([L, 3, 2], L) if with_kpm else None
     _assert_match(t, f, (x, x, x), lambda m, q, k, v: m(
         q, k, v, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights, is_causal=True))
 
@@ -358,7 +356,7 @@ def test_mask_dtype_combinations_are_accepted_or_refused_as_in_torch(query_dtype
     t, f = _pair(embed_dim=E, num_heads=H, dtype=query_dtype)
     x = _seq(N, L, E, False, dtype=query_dtype)
     blocked = torch.ones(L, L, dtype=torch.bool).triu(1)
-    pad = _right_padded([L, 3, 1], L)
+    pad = right_padded([L, 3, 1], L)
 
     def mask(pattern, dtype):
         if dtype is None or dtype == torch.bool:
@@ -421,7 +419,7 @@ def _fully_masked_case():
     attn_mask = torch.rand(L, S) < 0.3
     attn_mask[:, 0] = False
     attn_mask[1] = True
-    kpm = _right_padded([S, 4, 0], S)
+    kpm = right_padded([S, 4, 0], S)
     return attn_mask, kpm
 
 
@@ -490,7 +488,7 @@ def test_dropout_with_weights_matches_torch_under_the_same_seed():
     """need_weights=True drops the materialised weights with F.dropout, exactly as torch."""
     t, f = _pair(embed_dim=E, num_heads=H, dropout=0.3, dtype=F64)
     x, mem = _seq(N, L, E, False), _seq(N, S, E, False)
-    kpm = _right_padded([S, 4, 2], S)
+    kpm = right_padded([S, 4, 2], S)
     torch.manual_seed(11)
     out_t, w_t = t(x, mem, mem, key_padding_mask=kpm)
     torch.manual_seed(11)
@@ -550,7 +548,7 @@ def test_translate_forms():
     assert m.is_causal and m.attn_mask is None
     m = _translate(causal.expand(N * H, L, S).clone())
     assert m.is_causal
-    m = _translate(None, _right_padded([S, 3, 0], S))
+    m = _translate(None, right_padded([S, 3, 0], S))
     assert torch.equal(m.key_lengths, torch.tensor([S, 3, 0])) and m.attn_mask is None and not m.is_causal
     # a general bool mask is inverted (True = may attend) and keeps its size-1 broadcast dims
     bool_mask = torch.rand(L, S) < 0.5
@@ -566,7 +564,7 @@ def test_translate_forms():
     m = _translate(None, float_kpm)
     assert m.attn_mask.shape == (N, 1, 1, S) and m.attn_mask.dtype == float_kpm.dtype
     # causal + right padding: both fast forms at once
-    m = _translate(causal, _right_padded([S, 2, 5], S))
+    m = _translate(causal, right_padded([S, 2, 5], S))
     assert m.is_causal and m.attn_mask is None and m.key_lengths.tolist() == [S, 2, 5]
     # bool + float: float additive (0/-inf for the bool one), broadcast to (N, 1, L, S) only
     m = _translate(bool_mask, float_kpm)
@@ -593,7 +591,7 @@ def _padding_masks():
     g = torch.Generator().manual_seed(0)
     for n, s in ((3, 7), (1, 1), (4, 0), (0, 5), (2, 300)):
         lengths = torch.randint(0, s + 1, (n,), generator=g).tolist()
-        right = _right_padded(lengths, s)
+        right = right_padded(lengths, s)
         yield right
         yield right.t().contiguous().t()  # the same values, column-major
         yield torch.cat([right, ~right], dim=1)[:, ::2]  # a strided view
@@ -674,7 +672,7 @@ def test_mask_helpers_are_left_to_torch_ops_where_they_cannot_answer(ext, monkey
     spies = tuple((lambda op: (lambda *a: calls.append(op) or op(*a)))(op) for op in fasttrans.extension.mask_helpers())
     monkeypatch.setattr(fasttrans.extension, "_mask_helpers", spies)
     causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
-    kpm = _right_padded([4, 2], 4)
+    kpm = right_padded([4, 2], 4)
     assert _masks.is_causal_mask(causal, 4, 4) and _masks.right_padded_lengths(kpm).tolist() == [4, 2]
     assert len(calls) == 2
     assert _masks.is_causal_mask(causal.clone().requires_grad_(), 4, 4)
@@ -690,7 +688,7 @@ def test_translate_while_compiling_uses_dense_masks(monkeypatch):
     """No value inspection (causal detection, right-padding check) while compiling."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     causal = torch.ones(L, S, dtype=torch.bool).triu(1)
-    kpm = _right_padded([S, 3, 1], S)
+    kpm = right_padded([S, 3, 1], S)
     m = _translate(causal, kpm)
     assert not m.is_causal and m.key_lengths is None
     assert torch.equal(m.attn_mask, (~causal)[None, None] & (~kpm)[:, None, None, :])
@@ -712,7 +710,7 @@ def test_module_hands_fast_forms_to_the_op(monkeypatch):
     x = _seq(N, L, E, False)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
     with pytest.warns(UserWarning, match="mismatched"):  # the float causal + bool padding pair, as torch
-        f(x, x, x, attn_mask=mask, key_padding_mask=_right_padded([L, 3, 2], L), need_weights=False)
+        f(x, x, x, attn_mask=mask, key_padding_mask=right_padded([L, 3, 2], L), need_weights=False)
     (kw,) = calls
     assert kw["is_causal"] is True and kw["attn_mask"] is None and kw["key_lengths"].tolist() == [L, 3, 2]
     assert kw["dropout_p"] == 0.0
@@ -721,7 +719,7 @@ def test_module_hands_fast_forms_to_the_op(monkeypatch):
 def test_compiles_without_graph_breaks():
     f = fnn.MultiheadAttention(E, H, batch_first=True)
     x = torch.randn(N, L, E)
-    kpm = _right_padded([L, 3, 2], L)
+    kpm = right_padded([L, 3, 2], L)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(L)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     with warnings.catch_warnings():

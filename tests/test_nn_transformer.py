@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fasttrans.nn as fnn
 import fasttrans.nn.transformer as ft_transformer
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, right_padded
 
 F64 = torch.float64
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
@@ -79,9 +79,6 @@ def _seq(length, batch_first, dtype=F64, batch=N):
     return torch.randn((batch, length, E) if batch_first else (length, batch, E), dtype=dtype)
 
 
-def _right_padded(lengths, total):
-    return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]  # True = pad
-
 
 def _causal(length, dtype, kind):
     mask = torch.ones(length, length, dtype=torch.bool).triu(1)
@@ -94,7 +91,7 @@ def _inputs(kind, mask_kind, batch_first, dtype=F64):
     causal_kind = "bool_causal" if mask_kind in ("bool_causal", "both") else "float_causal"
     causal = mask_kind in ("float_causal", "bool_causal", "both")
     kpm = mask_kind in ("kpm", "both")
-    src_kpm, tgt_kpm = _right_padded([S, 4, 2], S), _right_padded([T, 3, 1], T)
+    src_kpm, tgt_kpm = right_padded([S, 4, 2], S), right_padded([T, 3, 1], T)
     memory_mask = torch.rand(T, S) < 0.3
     memory_mask[:, 0] = False
     kw = {}
@@ -345,7 +342,7 @@ def test_hooked_or_replaced_norms_are_called_as_modules():
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 def test_fully_masked_rows_stay_finite(norm_first):
     """A batch with every key padded, and causal + left padding (query 0 sees only a pad)."""
-    for kpm in (_right_padded([S, 3, 0], S), torch.tensor([[False] * S, [True, True] + [False] * (S - 2),
+    for kpm in (right_padded([S, 3, 0], S), torch.tensor([[False] * S, [True, True] + [False] * (S - 2),
                                                             [True] * 3 + [False] * (S - 3)])):
         t, f = _pair("encoder_layer", **_layer_kwargs(True, norm_first, "relu", True))
         tensors = (_seq(S, True),)
@@ -391,7 +388,7 @@ def test_inference_matches_torch_fast_paths():
     f.eval()
     t.use_nested_tensor = True  # what torch.nn sets for a batch_first, post-norm, even-head layer
     src = _seq(S, True)
-    kpm = _right_padded([S, 4, 2], S)
+    kpm = right_padded([S, 4, 2], S)
     with torch.no_grad():
         out_t = t(src, src_key_padding_mask=kpm)
         out_f = f(src, src_key_padding_mask=kpm)
@@ -413,7 +410,7 @@ def test_mixed_mask_types_warn_like_torch():
     """A float mask with a bool padding mask: torch's deprecation warning, as often as torch gives it."""
     t, f = _pair("encoder", **_layer_kwargs(False, False, "relu", True))
     src = _seq(S, False)
-    kwargs = dict(mask=_causal(S, F64, "float_causal"), src_key_padding_mask=_right_padded([S, 4, 2], S))
+    kwargs = dict(mask=_causal(S, F64, "float_causal"), src_key_padding_mask=right_padded([S, 4, 2], S))
     # one warning per forward, from the encoder (not again from each layer and attention)
     expected = _mismatch_warnings(t, (src,), kwargs)
     assert len(expected) == 1 and "src_key_padding_mask and mask" in expected[0]
@@ -446,7 +443,7 @@ def test_autocast_bf16_within_twice_torch_error():
 def test_compiles_without_graph_breaks():
     f = fnn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, norm_first=True)
     src = torch.randn(N, S, E)
-    kwargs = dict(src_mask=_causal(S, torch.float32, "bool_causal"), src_key_padding_mask=_right_padded([S, 4, 2], S))
+    kwargs = dict(src_mask=_causal(S, torch.float32, "bool_causal"), src_key_padding_mask=right_padded([S, 4, 2], S))
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(src, **kwargs), f(src, **kwargs), **TOL[torch.float32])
 
