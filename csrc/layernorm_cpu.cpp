@@ -34,10 +34,16 @@
 namespace fasttrans::cpu {
 namespace {
 
-// Rows per backward chunk: at least 64 (enough work per partial row), and at most ~256
-// chunks so the partial buffers stay small next to the input.
-int64_t rows_per_chunk(int64_t M) {
-  return std::max<int64_t>(64, (M + 255) / 256);
+// Rows per backward chunk (each chunk writes one partial row of dw and of db, summed in
+// chunk order afterwards, so the result depends on M and N only, never on the threads):
+//  - at least 8 chunks where that leaves 8 rows or more to each, so that a few long rows
+//    (64 x 65536) still keep every core busy;
+//  - about 32K elements per chunk at least, so small inputs stay one chunk, run inline;
+//  - up to 64 rows per chunk, more only to stay within ~256 chunks (the partial buffers
+//    stay small next to the input).
+int64_t rows_per_chunk(int64_t M, int64_t N) {
+  const int64_t want = std::max<int64_t>({8, (M + 7) / 8, (32768 + N - 1) / std::max<int64_t>(N, 1)});
+  return std::min(want, std::max<int64_t>(64, (M + 255) / 256));
 }
 
 // Row-parallel grain: about 32K elements per task.
@@ -480,7 +486,7 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
   const T* mean_data = rms ? nullptr : mean.data_ptr<T>();
   const T* rstd_data = rstd.data_ptr<T>();
   scalar_t* dx_data = dx.data_ptr<scalar_t>();
-  const int64_t R = rows_per_chunk(M);
+  const int64_t R = rows_per_chunk(M, N);
   const int64_t n_chunks = (M + R - 1) / R;
   T* dw_data = want_dw ? dw_part.data_ptr<T>() : nullptr;  // (n_chunks, N)
   T* db_data = want_db ? db_part.data_ptr<T>() : nullptr;
@@ -726,7 +732,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   const bool want_db = bias.has_value() && bias->defined();
 
   at::Tensor dx = at::empty({M, N}, h.options());
-  const int64_t n_chunks = M == 0 ? 0 : (M + rows_per_chunk(M) - 1) / rows_per_chunk(M);
+  const int64_t n_chunks = M == 0 ? 0 : (M + rows_per_chunk(M, N) - 1) / rows_per_chunk(M, N);
   at::Tensor dw_part = at::empty({want_dw ? n_chunks : 0, N}, h.options().dtype(acc));
   at::Tensor db_part = at::empty({want_db ? n_chunks : 0, N}, h.options().dtype(acc));
   if (M > 0 && N > 0) {

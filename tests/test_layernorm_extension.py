@@ -318,8 +318,9 @@ def test_rms_norm_default_eps_and_scalar_rows(ext):
     _check("layer_norm", x, None, torch.randn(1), torch.randn(1))
 
 
-def test_weight_bias_gradients_are_bitwise_deterministic(ext):
-    M, N = 1000, 333  # several row chunks
+@pytest.mark.parametrize("M,N", [(1000, 333), (64, 8192)], ids=["many-rows", "few-long-rows"])
+def test_weight_bias_gradients_are_bitwise_deterministic(ext, M, N):
+    # several row chunks either way: 64 rows per chunk, or 8 chunks of a few long rows
     x, w, b = torch.randn(M, N), torch.randn(N), torch.randn(N)
     dy = torch.randn(M, N)
     threads = torch.get_num_threads()
