@@ -15,6 +15,7 @@
 // with SA/CA = out_proj(attention(in_proj(.))) and FF = linear2(act(linear1(.))); each
 // "LN(x + .)" is one add_layer_norm pass (norm_fwd with a residual), whose h is the
 // pre-norm residual stream. Dropout is absent: inference.
+#include <ATen/Dispatch.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +31,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "common.h"
 #include "ops.h"
 
 namespace fasttrans::cpu {
@@ -86,11 +88,121 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std
   return at::softmax(s, -1).to(q.scalar_type());
 }
 
+// Few scores (a batch of one short sequence): the same weights and output from one loop nest.
+// attention_weights and the matmul after it are some twenty ATen calls (head copies, two
+// batched matmuls, the masks, the softmax), which there cost more than their arithmetic.
+// Where the loops stop: a MultiheadAttention (E 256, 4 heads, D 64) forward with weights took
+// 94 / 188 / 244 / 375 us by the loops against 113 / 189 / 230 / 417 us by the ATen calls for
+// N x L = 1 x 8 / 1 x 24 / 1 x 32 / 8 x 8 (147K, 262K and 131K multiply-adds for the last
+// three; 2-core AMD EPYC, one run each).
+constexpr int64_t kLoopWeightsWork = int64_t(1) << 17;  // N * H * L * S * D multiply-adds
+
+bool loop_weights(const at::Tensor& q, const at::Tensor& k) {
+  return q.size(0) * q.size(1) * q.size(2) * k.size(2) * q.size(3) <= kLoopWeightsWork;
+}
+
+// out (N, H, L, D) and weights in scalar_t from q (N, H, L, D), k, v (N, H, S, D) in T with
+// unit inner strides; mask (N, H, L, S) broadcast view, bool or in T. Each step rounds as
+// attention_weights, the matmul and the mean over heads do: scores (q . k) * scale in T, the
+// masks (-inf where masked, a float mask added), softmax in T (NaN for a row with no allowed
+// key, or with a NaN), weights rounded to scalar_t, out = weights @ v accumulated in T.
+// weights: (N, H, L, S), or with average their mean over the heads (N, L, S), summed in T.
+template <typename scalar_t, typename T>
+void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& mask, const at::Tensor& lengths, bool is_causal, T scale,
+                                  bool average, at::Tensor& out, at::Tensor& weights) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k.data_ptr<T>();
+  const T* vd = v.data_ptr<T>();
+  const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  const bool bool_mask = mask.defined() && mask.scalar_type() == at::kBool;
+  const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
+  const T* mf = mask.defined() && !bool_mask ? mask.data_ptr<T>() : nullptr;
+  scalar_t* od = out.data_ptr<scalar_t>();  // contiguous (N, H, L, D)
+  scalar_t* wd = weights.data_ptr<scalar_t>();  // contiguous (N, H, L, S) or (N, L, S)
+  std::vector<T> srow(S), orow(D), wsum(average ? L * S : 0), wrow(S);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t visible = len ? std::clamp<int64_t>(len[n], 0, S) : S;
+    std::fill(wsum.begin(), wsum.end(), T(0));
+    for (int64_t h = 0; h < H; ++h) {
+      const T* kh = kd + n * k.stride(0) + h * k.stride(1);
+      const T* vh = vd + n * v.stride(0) + h * v.stride(1);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* qr = qd + n * q.stride(0) + h * q.stride(1) + l * q.stride(2);
+        const int64_t m0 = mask.defined() ? n * mask.stride(0) + h * mask.stride(1) + l * mask.stride(2) : 0;
+        for (int64_t j = 0; j < S; ++j) {
+          T s = dot(qr, kh + j * k.stride(2), D) * scale;
+          if (mb && !mb[m0 + j * mask.stride(3)]) s = neg_inf<T>();
+          if (mf) s += mf[m0 + j * mask.stride(3)];
+          if (j >= visible || (is_causal && j > l)) s = neg_inf<T>();
+          srow[j] = s;
+        }
+        const T m = row_max(srow.data(), S);
+        const T inv = T(1) / exp_sub_sum(srow.data(), S, m);  // NaN when m is +-inf or NaN
+        scalar_t* wr = average ? nullptr : wd + ((n * H + h) * L + l) * S;
+        std::fill(orow.begin(), orow.end(), T(0));
+        for (int64_t j = 0; j < S; ++j) {
+          const scalar_t w_out = static_cast<scalar_t>(srow[j] * inv);
+          const T w = static_cast<T>(w_out);
+          if (wr) {
+            wr[j] = w_out;
+          } else {
+            wsum[l * S + j] += w;
+          }
+          const T* vr = vh + j * v.stride(2);
+          for (int64_t d = 0; d < D; ++d) orow[d] += w * vr[d];
+        }
+        scalar_t* orr = od + ((n * H + h) * L + l) * D;
+        for (int64_t d = 0; d < D; ++d) orr[d] = static_cast<scalar_t>(orow[d]);
+      }
+    }
+    if (average) {
+      scalar_t* wa = wd + n * L * S;
+      for (int64_t i = 0; i < L * S; ++i) wa[i] = static_cast<scalar_t>(wsum[i] / static_cast<T>(H));
+    }
+  }
+}
+
+// attention_weights, out = weights @ v and, with average, weights.mean(1), by
+// attention_with_weights_loops: (out, weights).
+std::tuple<at::Tensor, at::Tensor> attention_with_weights(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                                                          const std::optional<at::Tensor>& key_lengths,
+                                                          bool is_causal, double scale, bool average) {
+  const at::ScalarType dtype = q.scalar_type();
+  const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  auto rows = [&](const at::Tensor& t) {  // in acc, unit inner stride
+    at::Tensor r = t.to(acc);
+    return r.stride(3) == 1 ? r : r.contiguous();
+  };
+  const at::Tensor qa = rows(q), ka = rows(k), va = rows(v);
+  at::Tensor m, lengths;
+  if (mask.has_value()) {
+    checks::mask_broadcasts(*mask, N, H, L, S);
+    m = (mask->scalar_type() == at::kBool ? *mask : mask->to(acc)).expand({N, H, L, S});
+  }
+  if (key_lengths.has_value()) {
+    checks::key_lengths_shape(*key_lengths, N);
+    lengths = key_lengths->to(at::kLong).contiguous();
+  }
+  at::Tensor out = at::empty({N, H, L, D}, q.options());
+  at::Tensor weights = average ? at::empty({N, L, S}, q.options()) : at::empty({N, H, L, S}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "multihead_attention_fwd_extension", [&] {
+    using T = acc_t<scalar_t>;
+    attention_with_weights_loops<scalar_t, T>(qa, ka, va, m, lengths, is_causal, static_cast<T>(scale), average,
+                                              out, weights);
+  });
+  return {out, weights};
+}
+
 // x (A, B, E) attends itself (kv == nullptr) or kv (A', B, E): out_proj(attention(in_proj(.))).
 // With weights != nullptr the attention is computed from the materialised softmax weights,
-// which are stored there (N, H, L, S); else by the fused kernel.
+// which are stored there: (N, H, L, S), or with average_weights their mean over the heads
+// (N, L, S); else by the fused kernel.
 at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const AttentionArgs& a, int64_t H,
-                           bool seq_first, at::Tensor* weights = nullptr) {
+                           bool seq_first, at::Tensor* weights = nullptr, bool average_weights = false) {
   const int64_t E = x.size(2), D = E / H;
   at::Tensor q, k, v;
   if (kv == nullptr) {  // one (.., 3E) projection
@@ -107,10 +219,15 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const Atte
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor out;
-  if (weights != nullptr) {
+  if (weights != nullptr && loop_weights(split_heads(q, seq_first), split_heads(k, seq_first))) {
+    std::tie(out, *weights) = attention_with_weights(split_heads(q, seq_first), split_heads(k, seq_first),
+                                                     split_heads(v, seq_first), a.mask, a.key_lengths, a.is_causal,
+                                                     scale, average_weights);
+  } else if (weights != nullptr) {
     *weights = attention_weights(split_heads(q, seq_first), split_heads(k, seq_first), a.mask, a.key_lengths,
                                  a.is_causal, scale);
     out = at::matmul(*weights, split_heads(v, seq_first));
+    if (average_weights) *weights = weights->mean(1);
   } else {
     out = std::get<0>(attention_fwd(split_heads(q, seq_first), split_heads(k, seq_first), split_heads(v, seq_first),
                                     a.mask, a.key_lengths, a.is_causal, /*causal_offset=*/0, /*dropout_p=*/0.0, scale,
@@ -267,9 +384,9 @@ std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
   const AttentionArgs args{in_weight, out_weight, in_bias, out_bias, attn_mask, key_lengths, is_causal};
   at::Tensor weights;
   at::Tensor out = attention_block(query, self ? nullptr : &*kv, args, num_heads, seq_first,
-                                   need_weights ? &weights : nullptr);
+                                   need_weights ? &weights : nullptr, average_weights);
   if (!need_weights) return {out, at::empty({0}, query.options())};
-  return {out, average_weights ? weights.mean(1) : weights};
+  return {out, weights};
 }
 
 }  // namespace fasttrans::cpu

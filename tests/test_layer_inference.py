@@ -485,6 +485,79 @@ def test_multihead_attention_options(cross, batch_first, batched, average, bias,
             assert torch.equal(out, out_m)
 
 
+# With need_weights the op computes few scores in loops (N * H * L * S * D at most 2^17
+# multiply-adds, csrc/layer_cpu.cpp) and more with ATen's batched matmuls and softmax; the
+# grids above are all of the first kind.
+WEIGHTS_SIZES = {"loops": (2, 6, 9), "matmuls": (2, 40, 50)}  # (N, L, S) with E = 64, H = 4
+WEIGHTS_MASKS = ("none", "bool", "float", "right-padded", "causal", "fully masked rows")
+
+
+def _weights_masks(name: str, n: int, length: int, source: int, cross: bool, dtype):
+    keys = source if cross else length
+    if name == "none":
+        return {}
+    if name == "bool":
+        m = torch.rand(length, keys) < 0.3
+        m[:, 0] = False
+        return {"attn_mask": m}
+    if name == "float":
+        return {"attn_mask": torch.randn(n * 4, length, keys, dtype=dtype)}
+    if name == "right-padded":
+        return {"key_padding_mask": right_padded([keys, keys // 3] + [1] * (n - 2), keys)}
+    if name == "causal":
+        return {"attn_mask": torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=dtype)}
+    m = torch.zeros(length, keys, dtype=torch.bool)
+    m[1] = True  # query 1 sees nothing: NaN weights and output, as torch
+    return {"attn_mask": m}
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["average", "per-head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cross,mask", [(c, m) for c in (False, True) for m in WEIGHTS_MASKS if not (c and m == "causal")],
+                         ids=lambda v: {False: "self", True: "cross"}.get(v, v) if isinstance(v, bool) else v)
+@pytest.mark.parametrize("path", list(WEIGHTS_SIZES))
+def test_multihead_attention_weights_by_loops_and_by_matmuls(path, cross, mask, dtype, average, module_path):
+    n, length, source = WEIGHTS_SIZES[path]
+    mha = fnn.MultiheadAttention(64, 4, batch_first=True, dtype=dtype).eval()
+    ref = torch.nn.MultiheadAttention(64, 4, batch_first=True, dtype=dtype).eval()
+    ref.load_state_dict(mha.state_dict())
+    query = torch.randn(n, length, 64, dtype=dtype)
+    key = torch.randn(n, source, 64, dtype=dtype) if cross else query
+    masks = _weights_masks(mask, n, length, source, cross, dtype)
+
+    def run(module, upcast=False):
+        cast = _upcast if upcast else (lambda x: x)
+        return module(cast(query), cast(key), cast(key), need_weights=True, average_attn_weights=average,
+                      **cast(masks))
+
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, weights = run(mha)
+    names = {e.name for e in prof.events()}
+    assert MHA_OP in names
+    assert ("aten::_softmax" in names) == (path == "matmuls"), sorted(names)
+    with torch.no_grad(), module_path:
+        out_m, weights_m = run(mha)
+    keys = source if cross else length
+    shape = (n, length, keys) if average else (n, 4, length, keys)
+    assert weights.shape == weights_m.shape == shape, (weights.shape, weights_m.shape)
+    assert torch.equal(weights.isnan(), weights_m.isnan()) and torch.equal(out.isnan(), out_m.isnan())
+    assert (mask == "fully masked rows") == bool(out.isnan().any())
+    out_t, weights_t = (t.detach() for t in run(ref))
+    assert torch.equal(weights.isnan(), weights_t.isnan())
+    if dtype == torch.bfloat16:
+        # two bfloat16 computations in different orders: each against torch in float32, by
+        # the project's low-precision rule (torch in bfloat16 sets the bound)
+        out_32, weights_32 = (t.detach() for t in _torch_fp32(ref, lambda m: run(m, upcast=True)))
+        for got_out, got_weights in ((out, weights), (out_m, weights_m)):
+            _assert_like_torch("weights", got_weights, weights_t, weights_32)
+            _assert_like_torch("output", got_out, out_t, out_32)
+    else:
+        torch.testing.assert_close(weights, weights_m, equal_nan=True, **TOL[dtype])
+        torch.testing.assert_close(out, out_m, equal_nan=True, **TOL[dtype])
+        _assert_like_torch("weights", weights, weights_t)
+        _assert_like_torch("output", out, out_t)
+
+
 def test_multihead_attention_causal_hint_without_weights(module_path):
     mha = fnn.MultiheadAttention(E, H, batch_first=True).eval()
     (x,) = _inputs("encoder", True)

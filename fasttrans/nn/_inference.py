@@ -28,7 +28,9 @@ inference as one ``fasttrans::multihead_attention_fwd_extension`` call
 (:func:`multihead_attention`): the projections and the fused attention kernel, bit for bit
 the module path's; with ``need_weights`` the attention is computed from the materialised
 softmax weights instead, which it returns (within rounding of the module path's, NaN for a
-query with no allowed key, as torch).
+query with no allowed key, as torch): by ATen's batched matmuls and softmax, or for few
+scores (a batch of one short sequence) in one loop nest, where those calls would cost more
+than their arithmetic.
 """
 
 from __future__ import annotations
