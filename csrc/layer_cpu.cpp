@@ -252,6 +252,23 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
   return {y.view(x.sizes()), residual != nullptr ? h.view(x.sizes()) : h};
 }
 
+// linear2(act(linear1(t))), act 0 relu / 1 gelu / 2 gelu (tanh)
+struct FeedForward {
+  at::Tensor w1, w2;
+  std::optional<at::Tensor> b1, b2;
+  int64_t activation;
+
+  at::Tensor operator()(const at::Tensor& t) const {
+    at::Tensor hidden = at::linear(t, w1, b1);
+    if (activation == 0) {
+      hidden.relu_();
+    } else {
+      at::gelu_(hidden, activation == 1 ? "none" : "tanh");
+    }
+    return at::linear(hidden, w2, b2);
+  }
+};
+
 void check_weight(const at::Tensor& w, const char* name, int64_t rows, int64_t cols, const at::Tensor& x) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, name, ": expected shape (", rows, ", ", cols,
               "), got ", w.sizes());
@@ -284,22 +301,16 @@ void check_source(const at::Tensor& src, const char* name, const at::Tensor& x, 
               src.device());
 }
 
-}  // namespace
-
-at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Tensor>& memory,
-                                 at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                                 const c10::List<std::optional<at::Tensor>>& norm_weights,
-                                 const c10::List<std::optional<at::Tensor>>& norm_biases,
-                                 at::ArrayRef<double> norm_eps, const std::optional<at::Tensor>& self_mask,
-                                 const std::optional<at::Tensor>& self_key_lengths, bool self_is_causal,
-                                 const std::optional<at::Tensor>& cross_mask,
-                                 const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
-                                 int64_t num_heads, int64_t activation, bool norm_first, bool seq_first) {
-  const bool decoder = memory.has_value() && memory->defined();
-  const size_t n_linear = decoder ? 6 : 4, n_norm = decoder ? 3 : 2;
-  check_input(x, "x", num_heads);
+// The checks of a layer's parameters (see transformer_layer_fwd's schema): n_linear weights
+// and biases (in_proj, out_proj of each attention, then linear1, linear2) and n_norm norms
+// for x (.., .., E). Returns the norms.
+std::vector<Norm> checked_layer(const at::Tensor& x, at::TensorList weights,
+                                const c10::List<std::optional<at::Tensor>>& biases,
+                                const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                at::ArrayRef<double> norm_eps, size_t n_linear, size_t n_norm, int64_t activation) {
   TORCH_CHECK(weights.size() == n_linear && biases.size() == n_linear, "weights, biases: expected ", n_linear,
-              " of each (", decoder ? "a decoder layer" : "an encoder layer", "), got ", weights.size(), " and ",
+              " of each (", n_linear == 6 ? "a decoder layer" : "an encoder layer", "), got ", weights.size(), " and ",
               biases.size());
   TORCH_CHECK(norm_weights.size() == n_norm && norm_biases.size() == n_norm && norm_eps.size() == n_norm,
               "norm_weights, norm_biases, norm_eps: expected ", n_norm, " of each, got ", norm_weights.size(), ", ",
@@ -329,6 +340,101 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
     TORCH_CHECK(n.eps >= 0 && std::isfinite(n.eps), "norm_eps: expected finite non-negative values, got ", n.eps);
     norms.push_back(n);
   }
+  return norms;
+}
+
+// cache (B, H, capacity, D) of a decoder layer's keys or values, for x (B, n, E)
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& x, int64_t H, int64_t min_length) {
+  const int64_t D = x.size(2) / H;
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == x.size(0) && cache.size(1) == H && cache.size(3) == D &&
+                  cache.size(2) >= min_length,
+              name, ": expected shape (", x.size(0), ", ", H, ", L, ", D, ") with L >= ", min_length,
+              " (x's batch, the heads, positions, the head size), got ", cache.sizes());
+  TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.device() == x.device(), name, ": expected ",
+              x.scalar_type(), " on ", x.device(), " (from x), got ", cache.scalar_type(), " on ", cache.device());
+}
+
+// Self-attention of x's n new positions (B, n, E) over a key/value cache: their keys and
+// values are written to positions start .. start + n - 1 of self_k / self_v, and the new
+// queries attend positions 0 .. start + n - 1 with the bottom-right causal mask (query i sees
+// keys up to start + i).
+at::Tensor cached_self_attention(const at::Tensor& x, at::Tensor& self_k, at::Tensor& self_v, int64_t start,
+                                 const AttentionArgs& a, int64_t H) {
+  const int64_t B = x.size(0), n = x.size(1), E = x.size(2), D = E / H;
+  const at::Tensor qkv = at::linear(x, a.in_weight, a.in_bias).view({B, n, 3, H, D});
+  self_k.narrow(2, start, n).copy_(qkv.select(2, 1).transpose(1, 2));
+  self_v.narrow(2, start, n).copy_(qkv.select(2, 2).transpose(1, 2));
+  const at::Tensor out = std::get<0>(attention_fwd(
+      qkv.select(2, 0).transpose(1, 2), self_k.narrow(2, 0, start + n), self_v.narrow(2, 0, start + n), std::nullopt,
+      std::nullopt, /*is_causal=*/true, /*causal_offset=*/start, /*dropout_p=*/0.0, 1.0 / std::sqrt(double(D)), 0));
+  return at::linear(out.transpose(1, 2).reshape({B, n, E}), a.out_weight, a.out_bias);
+}
+
+// Cross-attention of x (B, n, E) over projected memory keys and values (B, H, S, D).
+at::Tensor cached_cross_attention(const at::Tensor& x, const at::Tensor& cross_k, const at::Tensor& cross_v,
+                                  const AttentionArgs& a, int64_t H) {
+  const int64_t B = x.size(0), n = x.size(1), E = x.size(2), D = E / H;
+  const at::Tensor q =
+      at::linear(x, a.in_weight.narrow(0, 0, E), narrowed(a.in_bias, 0, E)).view({B, n, H, D}).transpose(1, 2);
+  const at::Tensor out = std::get<0>(attention_fwd(q, cross_k, cross_v, a.mask, a.key_lengths, /*is_causal=*/false,
+                                                   0, /*dropout_p=*/0.0, 1.0 / std::sqrt(double(D)), 0));
+  return at::linear(out.transpose(1, 2).reshape({B, n, E}), a.out_weight, a.out_bias);
+}
+
+}  // namespace
+
+at::Tensor decoder_layer_step_fwd(const at::Tensor& x, at::Tensor& self_k, at::Tensor& self_v, int64_t start,
+                                  const at::Tensor& cross_k, const at::Tensor& cross_v,
+                                  const std::optional<at::Tensor>& cross_mask,
+                                  const std::optional<at::Tensor>& cross_key_lengths, at::TensorList weights,
+                                  const c10::List<std::optional<at::Tensor>>& biases,
+                                  const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                  const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                  at::ArrayRef<double> norm_eps, int64_t num_heads, int64_t activation,
+                                  bool norm_first) {
+  TORCH_CHECK(x.dim() == 3, "x: expected a 3-D (N, n, E) tensor of new positions, got shape ", x.sizes());
+  check_input(x, "x", num_heads);
+  const std::vector<Norm> norms =
+      checked_layer(x, weights, biases, norm_weights, norm_biases, norm_eps, 6, 3, activation);
+  TORCH_CHECK(start >= 0, "start: expected a non-negative position, got ", start);
+  check_cache(self_k, "self_k", x, num_heads, start + x.size(1));
+  check_cache(self_v, "self_v", x, num_heads, start + x.size(1));
+  check_cache(cross_k, "cross_k", x, num_heads, 0);
+  check_cache(cross_v, "cross_v", x, num_heads, 0);
+  TORCH_CHECK(cross_v.size(2) == cross_k.size(2), "cross_v: expected the ", cross_k.size(2),
+              " positions of cross_k, got shape ", cross_v.sizes());
+  const AttentionArgs self_attn{weights[0], weights[1], optional_at(biases, 0), optional_at(biases, 1),
+                                std::nullopt, std::nullopt, true};
+  const AttentionArgs cross_attn{weights[2], weights[3], optional_at(biases, 2), optional_at(biases, 3),
+                                 cross_mask, cross_key_lengths, false};
+  const FeedForward ff{weights[4], weights[5], optional_at(biases, 4), optional_at(biases, 5), activation};
+  if (norm_first) {
+    at::Tensor y, h;
+    std::tie(y, h) = norm(cached_self_attention(std::get<0>(norm(x, nullptr, norms[0])), self_k, self_v, start,
+                                                self_attn, num_heads),
+                          &x, norms[1]);
+    std::tie(y, h) = norm(cached_cross_attention(y, cross_k, cross_v, cross_attn, num_heads), &h, norms[2]);
+    return at::add(h, ff(y));
+  }
+  at::Tensor h = std::get<0>(norm(cached_self_attention(x, self_k, self_v, start, self_attn, num_heads), &x, norms[0]));
+  h = std::get<0>(norm(cached_cross_attention(h, cross_k, cross_v, cross_attn, num_heads), &h, norms[1]));
+  return std::get<0>(norm(ff(h), &h, norms[2]));
+}
+
+at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Tensor>& memory,
+                                 at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                                 const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                 const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                 at::ArrayRef<double> norm_eps, const std::optional<at::Tensor>& self_mask,
+                                 const std::optional<at::Tensor>& self_key_lengths, bool self_is_causal,
+                                 const std::optional<at::Tensor>& cross_mask,
+                                 const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
+                                 int64_t num_heads, int64_t activation, bool norm_first, bool seq_first) {
+  const bool decoder = memory.has_value() && memory->defined();
+  const size_t n_linear = decoder ? 6 : 4, n_norm = decoder ? 3 : 2;
+  check_input(x, "x", num_heads);
+  const std::vector<Norm> norms = checked_layer(x, weights, biases, norm_weights, norm_biases, norm_eps, n_linear,
+                                                n_norm, activation);
   if (decoder) check_source(*memory, "memory", x, "x", seq_first);
 
   const AttentionArgs self_attn{weights[0], weights[1], optional_at(biases, 0), optional_at(biases, 1),
@@ -338,18 +444,8 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
     cross_attn = AttentionArgs{weights[2], weights[3], optional_at(biases, 2), optional_at(biases, 3),
                                cross_mask, cross_key_lengths, cross_is_causal};
   }
-  const at::Tensor& w1 = weights[n_linear - 2];
-  const at::Tensor& w2 = weights[n_linear - 1];
-  const std::optional<at::Tensor> b1 = optional_at(biases, n_linear - 2), b2 = optional_at(biases, n_linear - 1);
-  auto feed_forward = [&](const at::Tensor& t) {
-    at::Tensor hidden = at::linear(t, w1, b1);
-    if (activation == 0) {
-      hidden.relu_();
-    } else {
-      at::gelu_(hidden, activation == 1 ? "none" : "tanh");
-    }
-    return at::linear(hidden, w2, b2);
-  };
+  const FeedForward ff{weights[n_linear - 2], weights[n_linear - 1], optional_at(biases, n_linear - 2),
+                       optional_at(biases, n_linear - 1), activation};
 
   at::Tensor h = x;
   if (norm_first) {
@@ -359,13 +455,13 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
     if (decoder) {
       std::tie(a, h) = norm(attention_block(a, &*memory, *cross_attn, num_heads, seq_first), &h, norms[2]);
     }
-    return at::add(h, feed_forward(a));
+    return at::add(h, ff(a));
   }
   h = std::get<0>(norm(attention_block(h, nullptr, self_attn, num_heads, seq_first), &h, norms[0]));
   if (decoder) {
     h = std::get<0>(norm(attention_block(h, &*memory, *cross_attn, num_heads, seq_first), &h, norms[1]));
   }
-  return std::get<0>(norm(feed_forward(h), &h, norms[n_norm - 1]));
+  return std::get<0>(norm(ff(h), &h, norms[n_norm - 1]));
 }
 
 std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(

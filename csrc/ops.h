@@ -49,6 +49,16 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
                                  const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
                                  int64_t num_heads, int64_t activation, bool norm_first, bool seq_first);
 // one MultiheadAttention inference forward, packed projection (layer_cpu.cpp): CPU only
+at::Tensor decoder_layer_step_fwd(const at::Tensor& x, at::Tensor& self_k, at::Tensor& self_v, int64_t start,
+                                  const at::Tensor& cross_k, const at::Tensor& cross_v,
+                                  const std::optional<at::Tensor>& cross_mask,
+                                  const std::optional<at::Tensor>& cross_key_lengths, at::TensorList weights,
+                                  const c10::List<std::optional<at::Tensor>>& biases,
+                                  const c10::List<std::optional<at::Tensor>>& norm_weights,
+                                  const c10::List<std::optional<at::Tensor>>& norm_biases,
+                                  at::ArrayRef<double> norm_eps, int64_t num_heads, int64_t activation,
+                                  bool norm_first);
+
 std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
     const at::Tensor& query, const std::optional<at::Tensor>& kv, const at::Tensor& in_weight,
     const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,

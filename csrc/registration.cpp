@@ -33,6 +33,13 @@ TORCH_LIBRARY(fasttrans, m) {
       "Tensor?[] norm_weights, Tensor?[] norm_biases, float[] norm_eps, Tensor? self_mask, "
       "Tensor? self_key_lengths, bool self_is_causal, Tensor? cross_mask, Tensor? cross_key_lengths, "
       "bool cross_is_causal, int num_heads, int activation, bool norm_first, bool seq_first) -> Tensor");
+  // and one decoder layer's step of incremental decoding with a key/value cache: the new
+  // positions' keys and values are written into self_k / self_v at start ..
+  m.def(
+      "decoder_layer_step_fwd_extension(Tensor x, Tensor(a!) self_k, Tensor(b!) self_v, int start, "
+      "Tensor cross_k, Tensor cross_v, Tensor? cross_mask, Tensor? cross_key_lengths, Tensor[] weights, "
+      "Tensor?[] biases, Tensor?[] norm_weights, Tensor?[] norm_biases, float[] norm_eps, int num_heads, "
+      "int activation, bool norm_first) -> Tensor");
   // and for a MultiheadAttention with a packed projection (kv: None for self-attention)
   m.def(
       "multihead_attention_fwd_extension(Tensor query, Tensor? kv, Tensor in_weight, Tensor? in_bias, "
@@ -51,5 +58,6 @@ TORCH_LIBRARY_IMPL(fasttrans, CPU, m) {
   m.impl("padding_key_lengths", &fasttrans::cpu::padding_key_lengths);
   m.impl("is_causal_mask", &fasttrans::cpu::is_causal_mask);
   m.impl("transformer_layer_fwd_extension", &fasttrans::cpu::transformer_layer_fwd);
+  m.impl("decoder_layer_step_fwd_extension", &fasttrans::cpu::decoder_layer_step_fwd);
   m.impl("multihead_attention_fwd_extension", &fasttrans::cpu::multihead_attention_fwd);
 }

@@ -842,11 +842,12 @@ _inference_ops: tuple = ()  # the extension's whole-module inference ops, once r
 
 
 def inference_ops() -> tuple:
-    """(``transformer_layer_fwd_extension``, ``multihead_attention_fwd_extension``): the
-    extension's inference forwards of one encoder or decoder layer and of one
-    MultiheadAttention on the CPU (csrc/layer_cpu.cpp). Loads the extension and gives them
-    their fake implementations on first use. They have no autograd formulas: callers use
-    them only when no input needs a gradient."""
+    """(``transformer_layer_fwd_extension``, ``multihead_attention_fwd_extension``,
+    ``decoder_layer_step_fwd_extension``): the extension's inference forwards of one encoder
+    or decoder layer, of one MultiheadAttention, and of one decoder layer's step of
+    incremental decoding with a key/value cache, on the CPU (csrc/layer_cpu.cpp). Loads the
+    extension and gives them their fake implementations on first use. They have no autograd
+    formulas: callers use them only when no input needs a gradient."""
     global _inference_ops
     if not _inference_ops:
         ops_for("extension")
@@ -870,8 +871,16 @@ def inference_ops() -> tuple:
                 (query.shape[0], query.shape[1], keys.shape[1])
             return out, query.new_empty((N, L, S) if average_weights else (N, num_heads, L, S))
 
+        @register_fake("fasttrans::decoder_layer_step_fwd_extension")
+        def _(x, self_k, self_v, start, cross_k, cross_v, cross_mask, cross_key_lengths, weights, biases,
+              norm_weights, norm_biases, norm_eps, num_heads, activation, norm_first):
+            _check_fake_devices(x=x, self_k=self_k, self_v=self_v, cross_k=cross_k, cross_v=cross_v,
+                                cross_mask=cross_mask, cross_key_lengths=cross_key_lengths)
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+
         ns = torch.ops.fasttrans
-        _inference_ops = (ns.transformer_layer_fwd_extension, ns.multihead_attention_fwd_extension)
+        _inference_ops = (ns.transformer_layer_fwd_extension, ns.multihead_attention_fwd_extension,
+                          ns.decoder_layer_step_fwd_extension)
     return _inference_ops
 
 

@@ -62,6 +62,7 @@ _OPS = (
     "padding_key_lengths",
     "is_causal_mask",
     "transformer_layer_fwd_extension",
+    "decoder_layer_step_fwd_extension",
     "multihead_attention_fwd_extension",
 )
 

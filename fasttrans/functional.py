@@ -624,6 +624,13 @@ def _layer_inference_op(x: torch.Tensor):
     return backends.inference_ops()[0] if _inference_ops_allowed(x, ("attention", "norm")) else None
 
 
+def _decoder_step_inference_op(x: torch.Tensor):
+    """``fasttrans::decoder_layer_step_fwd_extension``, one decoder layer's step of
+    incremental decoding (attention and norms), where :func:`_inference_ops_allowed` for
+    ``x``; else None."""
+    return backends.inference_ops()[2] if _inference_ops_allowed(x, ("attention", "norm")) else None
+
+
 def _attention_inference_op(x: torch.Tensor):
     """``fasttrans::multihead_attention_fwd_extension``, one MultiheadAttention's inference
     forward, where :func:`_inference_ops_allowed` for ``x``; else None."""

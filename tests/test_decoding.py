@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+import fasttrans
+import fasttrans.functional as FT
 from fasttrans.models.decoding import build_cache, decode_step
 from fasttrans.models.seq2seq import Seq2SeqConfig, Seq2SeqTransformer
+from helpers import require_extension
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 23
@@ -121,3 +126,146 @@ def test_generate_restores_every_submodules_mode():
     before = {n: m.training for n, m in model.named_modules()}
     model.generate(_src(), 3, BOS, EOS)
     assert {n: m.training for n, m in model.named_modules()} == before
+
+
+# --------------------------------------------------------------------------------------
+# one fused call per layer and step (fasttrans::decoder_layer_step_fwd_extension)
+# --------------------------------------------------------------------------------------
+STEP_OP = "fasttrans::decoder_layer_step_fwd_extension"
+
+
+@pytest.fixture
+def python_steps(monkeypatch):
+    """A context in which decode_step never takes the fused call (the Python layer step)."""
+
+    class Off:
+        def __enter__(self):
+            monkeypatch.setattr(FT, "_decoder_step_inference_op", lambda x: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.undo()
+
+    return Off()
+
+
+def _steps(model, src, tgt, chunks, padding):
+    """decode_step over tgt cut into chunks: (the outputs, the final cache, the ops that ran)."""
+    with torch.no_grad():
+        memory = model.encode(src, padding)
+        cache = build_cache(model, memory, padding, capacity=tgt.shape[1])
+        outs, start = [], 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for n in chunks:
+                outs.append(decode_step(model, tgt[:, start:start + n], cache))
+                start += n
+    return outs, cache, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("padding", ["none", "right", "hole"])
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu"), (True, "relu"), (False, "gelu")])
+def test_fused_steps_equal_the_python_steps_bit_for_bit(norm_first, activation, padding, dtype, python_steps):
+    require_extension("cpu", "attention")
+    model = _model(norm_first, activation).eval().to(dtype)
+    src = _src()
+    if padding != "hole":
+        src[2, 2] = 5
+    if padding == "none":
+        src[1, 6:] = 5
+    pad = model.src_padding_mask(src)
+    tgt = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(2))
+    chunks = (1, 3, 1, 4)  # single tokens and forced prefixes on top of a cached one
+    fused, cache, ops = _steps(model, src, tgt, chunks, pad)
+    assert STEP_OP in ops
+    with python_steps:
+        plain, plain_cache, ops = _steps(model, src, tgt, chunks, pad)
+    assert STEP_OP not in ops
+    if padding == "right":
+        assert cache.memory_lengths is not None
+    if padding == "hole":
+        assert cache.memory_mask is not None
+    for a, b in zip(fused, plain):
+        assert a.dtype == dtype and torch.equal(a, b)
+    for lc, plain_lc in zip(cache.layers, plain_cache.layers):
+        assert torch.equal(lc.self_k, plain_lc.self_k) and torch.equal(lc.self_v, plain_lc.self_v)
+
+
+def test_fused_steps_only_where_nothing_needs_a_gradient_or_a_module():
+    require_extension("cpu", "attention")
+    model = _model(False).eval()
+    src, tgt = _src(), torch.randint(3, VOCAB, (3, 2), generator=torch.Generator().manual_seed(2))
+
+    def ops(**kw):
+        memory = model.encode(src).detach()
+        cache = build_cache(model, memory, model.src_padding_mask(src), capacity=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            decode_step(model, tgt[:, :1], cache)
+        return {e.name for e in prof.events()}
+
+    with torch.no_grad():
+        assert STEP_OP in ops()
+    assert STEP_OP not in ops()  # grad mode on and parameters that require one: autograd records the step
+    with torch.no_grad():
+        with fasttrans.use_backend("reference"):
+            assert STEP_OP not in ops()
+        model.transformer.decoder.layers[0].linear1.register_forward_hook(lambda *a: None)
+        names = ops()
+        assert STEP_OP in names and "aten::relu" in names  # the hooked layer steps in Python, the next one fused
+
+
+def test_fused_step_in_generate_equals_python_steps(python_steps):
+    require_extension("cpu", "attention")
+    model = _model(True, "gelu")
+    src = _src()
+    tokens, logits = model.generate(src, 10, BOS, None, return_logits=True)
+    with python_steps:
+        tokens_p, logits_p = model.generate(src, 10, BOS, None, return_logits=True)
+    assert torch.equal(tokens, tokens_p) and torch.equal(logits, logits_p)
+
+
+def _step_op_args():
+    model = _model(False).eval()
+    layer = model.transformer.decoder.layers[0]
+    H, E, S = 3, 24, 9
+    g = torch.Generator().manual_seed(4)
+    weights = [w.detach() for w in (layer.self_attn.in_proj_weight, layer.self_attn.out_proj.weight,
+                                    layer.multihead_attn.in_proj_weight, layer.multihead_attn.out_proj.weight,
+                                    layer.linear1.weight, layer.linear2.weight)]
+    biases = [b.detach() for b in (layer.self_attn.in_proj_bias, layer.self_attn.out_proj.bias,
+                                   layer.multihead_attn.in_proj_bias, layer.multihead_attn.out_proj.bias,
+                                   layer.linear1.bias, layer.linear2.bias)]
+    norms = (layer.norm1, layer.norm2, layer.norm3)
+    return [torch.randn(2, 2, E, generator=g), torch.randn(2, H, 6, E // H, generator=g),
+            torch.randn(2, H, 6, E // H, generator=g), 3, torch.randn(2, H, S, E // H, generator=g),
+            torch.randn(2, H, S, E // H, generator=g), None, torch.tensor([9, 4], dtype=torch.int32), weights, biases,
+            [n.weight.detach() for n in norms], [n.bias.detach() for n in norms], [1e-5] * 3, H, 0, False]
+
+
+def test_step_opcheck():
+    require_extension("cpu", "attention")
+    fasttrans.backends.inference_ops()  # registers the fake implementation
+    torch.library.opcheck(torch.ops.fasttrans.decoder_layer_step_fwd_extension, _step_op_args())
+
+
+STEP_OP_ERRORS = {
+    "start": (lambda a: a.__setitem__(3, -1), "start: expected a non-negative position"),
+    "self_k": (lambda a: a.__setitem__(3, 5), "self_k: expected shape (2, 3, L, 8) with L >= 7"),
+    "self_v": (lambda a: a.__setitem__(2, a[2].double()), "self_v: expected Float"),
+    "cross_v": (lambda a: a.__setitem__(5, a[5][:, :, :4]), "cross_v: expected the 9 positions of cross_k"),
+    "cross_k": (lambda a: a.__setitem__(4, a[4][:1]), "cross_k: expected shape (2, 3, L, 8)"),
+    "weights": (lambda a: a.__setitem__(8, a[8][:4]), "weights, biases: expected 6"),
+    "x": (lambda a: a.__setitem__(0, a[0][0]), "x: expected a 3-D"),
+    "num_heads": (lambda a: a.__setitem__(13, 5), "num_heads: expected a positive divisor"),
+    "cross_key_lengths": (lambda a: a.__setitem__(7, torch.tensor([1, 2, 3])), "key_lengths"),
+}
+
+
+@pytest.mark.parametrize("bad", list(STEP_OP_ERRORS))
+def test_the_step_op_names_the_argument_at_fault(bad):
+    require_extension("cpu", "attention")
+    fasttrans.backends.inference_ops()
+    args = _step_op_args()
+    corrupt, message = STEP_OP_ERRORS[bad]
+    corrupt(args)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.fasttrans.decoder_layer_step_fwd_extension(*args)

@@ -14,7 +14,10 @@ The layer math is the decoder layer's own, re-expressed on its public parameters
 names: ``self_attn.in_proj_weight``, ``multihead_attn``, ``linear1``, ``linear2``,
 ``norm1..3``, ``norm_first``, ``activation``) with ``fasttrans.attention`` and
 ``fasttrans.add_layer_norm`` (residual add + LayerNorm in one pass). Dropout is not applied:
-decoding always runs the model as in eval mode.
+decoding always runs the model as in eval mode. On the CPU extension, with nothing to
+differentiate, each layer's step is one call of ``fasttrans::decoder_layer_step_fwd_extension``
+(csrc/layer_cpu.cpp): the same op calls in C++, bit for bit :func:`_layer_step`, without
+its Python work (see fasttrans/nn/_inference.py for where it applies).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import functional as ft
-from ..nn import _masks
+from ..nn import _inference, _masks
 
 __all__ = ["DecoderCache", "build_cache", "decode_step", "greedy_decode"]
 
@@ -155,7 +158,9 @@ def decode_step(model, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tenso
         raise ValueError(f"tokens: {start + n} target positions exceed the cache capacity {cache.capacity}")
     x = model.positional_encoding(model.tgt_embed(tokens), offset=start)  # (B, n, d_model)
     for layer, lc in zip(model.transformer.decoder.layers, cache.layers):
-        x = _layer_step(layer, x, lc, cache, start)
+        fused = _inference.decoder_layer_step(layer, x, lc.self_k, lc.self_v, start, lc.cross_k, lc.cross_v,
+                                              cache.memory_mask, cache.memory_lengths)
+        x = _layer_step(layer, x, lc, cache, start) if fused is None else fused
     cache.length = start + n
     norm = model.transformer.decoder.norm
     return _norm(norm, x) if norm is not None else x

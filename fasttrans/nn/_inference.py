@@ -46,7 +46,7 @@ from . import attention as _attention  # a module reference: attention.py import
 from .dropout import Dropout
 from .normalization import LayerNorm
 
-__all__ = ["encoder_layer", "decoder_layer", "multihead_attention"]
+__all__ = ["encoder_layer", "decoder_layer", "decoder_layer_step", "multihead_attention"]
 
 _RELU, _GELU, _GELU_TANH = 0, 1, 2  # the op's activation codes
 
@@ -127,12 +127,13 @@ _DECODER_PARTS = (("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
                   ("dropout", "dropout1", "dropout2", "dropout3"))
 
 
-def _layer_parts(layer: Module, x: Tensor, parts: tuple):
+def _layer_parts(layer: Module, x: Tensor, parts: tuple, op_for=None):
     """(op, attention modules, linear1, linear2, norms, activation code) when the layer may
-    take the fused call on x (see the module docstring), else None."""
+    take the fused call on x (see the module docstring), else None. op_for(x) gives the op
+    (default: the whole layer's, FT._layer_inference_op)."""
     if layer.training or not _input_ok(x) or x.dim() not in (2, 3):
         return None
-    op = FT._layer_inference_op(x)
+    op = (op_for or FT._layer_inference_op)(x)
     if op is None or torch.is_autocast_enabled("cpu"):
         return None
     g = torch.nn.modules.module
@@ -158,6 +159,20 @@ def _layer_parts(layer: Module, x: Tensor, parts: tuple):
     return op, attentions, linear1, linear2, norms, code
 
 
+def _layer_parameters(attentions: list, linear1: Module, linear2: Module, norms: list) -> tuple:
+    """The op's (weights, biases, norm_weights, norm_biases) lists of a layer's parts."""
+    weights, biases = [], []
+    for m in attentions:
+        in_weight, in_bias, out_weight, out_bias = _attention_parameters(m)
+        weights += (in_weight, out_weight)
+        biases += (in_bias, out_bias)
+    one, two = linear1._parameters, linear2._parameters
+    weights += (one["weight"], two["weight"])
+    biases += (one["bias"], two["bias"])
+    norm_parameters = [n._parameters for n in norms]
+    return weights, biases, [p["weight"] for p in norm_parameters], [p["bias"] for p in norm_parameters]
+
+
 def _op_masks(attention, query: Tensor, key: Tensor, key_padding_mask, attn_mask, is_causal):
     """MultiheadAttention.forward's checks on (query, key, key, masks), then its masks in the op
     contract; also returns whether the input was batched."""
@@ -179,17 +194,7 @@ def _layer(layer, x: Tensor, memory: Tensor | None, self_args: tuple, cross_args
     if parts is None:
         return None
     op, attentions, linear1, linear2, norms, activation = parts
-    weights, biases = [], []
-    for m in attentions:
-        in_weight, in_bias, out_weight, out_bias = _attention_parameters(m)
-        weights += (in_weight, out_weight)
-        biases += (in_bias, out_bias)
-    one, two = linear1._parameters, linear2._parameters
-    weights += (one["weight"], two["weight"])
-    biases += (one["bias"], two["bias"])
-    norm_parameters = [n._parameters for n in norms]
-    norm_weights = [p["weight"] for p in norm_parameters]
-    norm_biases = [p["bias"] for p in norm_parameters]
+    weights, biases, norm_weights, norm_biases = _layer_parameters(attentions, linear1, linear2, norms)
     sources = [] if memory is None else [memory]
     if (not all(_input_ok(t) and t.dim() == x.dim() for t in sources)
             or not _no_grad_same_dtype([*weights, *biases, *norm_weights, *norm_biases, *sources], x)
@@ -218,6 +223,26 @@ def decoder_layer(layer, tgt: Tensor, memory: Tensor, tgt_mask, memory_mask, tgt
     """TransformerDecoderLayer.forward in one fused call, or None where it does not apply."""
     return _layer(layer, tgt, memory, (tgt_mask, tgt_key_padding_mask, tgt_is_causal),
                   (memory_mask, memory_key_padding_mask, memory_is_causal))
+
+
+def decoder_layer_step(layer, x: Tensor, self_k: Tensor, self_v: Tensor, start: int, cross_k: Tensor,
+                       cross_v: Tensor, memory_mask: Tensor | None, memory_lengths: Tensor | None) -> Tensor | None:
+    """One decoder layer's step of incremental decoding (fasttrans.models.decoding._layer_step:
+    x (B, n, E) the new positions, their keys and values written to self_k / self_v (B, H,
+    capacity, D) at start .., cross_k / cross_v the projected memory, memory_mask (B, 1, 1, S)
+    bool or memory_lengths (B,) its padding) in one fused call, or None where the call does not
+    apply (as for :func:`decoder_layer`, and caches that are not in x's dtype or need a gradient)."""
+    if x.dim() != 3:
+        return None
+    parts = _layer_parts(layer, x, _DECODER_PARTS, FT._decoder_step_inference_op)
+    if parts is None:
+        return None
+    op, attentions, linear1, linear2, norms, activation = parts
+    weights, biases, norm_weights, norm_biases = _layer_parameters(attentions, linear1, linear2, norms)
+    if not _no_grad_same_dtype([*weights, *biases, *norm_weights, *norm_biases, self_k, self_v, cross_k, cross_v], x):
+        return None
+    return op(x, self_k, self_v, start, cross_k, cross_v, memory_mask, memory_lengths, weights, biases, norm_weights,
+              norm_biases, [float(n.eps) for n in norms], attentions[0].num_heads, activation, layer.norm_first)
 
 
 def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_mask, need_weights: bool,
