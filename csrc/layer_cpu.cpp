@@ -1,6 +1,7 @@
 // Inference forwards of whole fasttrans.nn modules on the CPU, each in one op: a Transformer
-// encoder or decoder layer (transformer_layer_fwd), and a MultiheadAttention
-// (multihead_attention_fwd, below).
+// encoder or decoder layer (transformer_layer_fwd), a decoder layer's step of incremental
+// decoding over a key/value cache (decoder_layer_step_fwd, for fasttrans.models.decoding),
+// and a MultiheadAttention (multihead_attention_fwd, below).
 //
 // fasttrans.nn's layers run the first in eval mode when nothing needs a gradient: the same
 // computation as their module path (the same GEMM calls, this extension's attention and

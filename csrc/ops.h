@@ -48,7 +48,7 @@ at::Tensor transformer_layer_fwd(const at::Tensor& x, const std::optional<at::Te
                                  const std::optional<at::Tensor>& cross_mask,
                                  const std::optional<at::Tensor>& cross_key_lengths, bool cross_is_causal,
                                  int64_t num_heads, int64_t activation, bool norm_first, bool seq_first);
-// one MultiheadAttention inference forward, packed projection (layer_cpu.cpp): CPU only
+// one decoder layer's step of incremental decoding, writing its key/value cache (layer_cpu.cpp): CPU only
 at::Tensor decoder_layer_step_fwd(const at::Tensor& x, at::Tensor& self_k, at::Tensor& self_v, int64_t start,
                                   const at::Tensor& cross_k, const at::Tensor& cross_v,
                                   const std::optional<at::Tensor>& cross_mask,
@@ -58,7 +58,7 @@ at::Tensor decoder_layer_step_fwd(const at::Tensor& x, at::Tensor& self_k, at::T
                                   const c10::List<std::optional<at::Tensor>>& norm_biases,
                                   at::ArrayRef<double> norm_eps, int64_t num_heads, int64_t activation,
                                   bool norm_first);
-
+// one MultiheadAttention inference forward, packed projection (layer_cpu.cpp): CPU only
 std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
     const at::Tensor& query, const std::optional<at::Tensor>& kv, const at::Tensor& in_weight,
     const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
