@@ -6,12 +6,14 @@ import re
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fasttrans
 import fasttrans.functional as FT
 from fasttrans.models.decoding import build_cache, decode_step
 from fasttrans.models.seq2seq import Seq2SeqConfig, Seq2SeqTransformer
-from helpers import require_extension
+from helpers import fuzz_settings, require_extension
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 23
@@ -269,3 +271,52 @@ def test_the_step_op_names_the_argument_at_fault(bad):
     corrupt(args)
     with pytest.raises(RuntimeError, match=re.escape(message)):
         torch.ops.fasttrans.decoder_layer_step_fwd_extension(*args)
+
+
+@st.composite
+def _decoding_cases(draw):
+    nhead = draw(st.sampled_from([1, 2, 4]))
+    batch, source = draw(st.integers(1, 4)), draw(st.integers(1, 12))
+    lengths = [draw(st.integers(1, source)) for _ in range(batch)]
+    chunks = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    return dict(
+        nhead=nhead, d_model=nhead * draw(st.sampled_from([2, 8, 16])), layers=draw(st.integers(1, 2)),
+        norm_first=draw(st.booleans()), activation=draw(st.sampled_from(["relu", "gelu"])),
+        bias=draw(st.booleans()), dtype=draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])),
+        source=source, lengths=lengths, hole=draw(st.booleans()) and source > 2, chunks=chunks,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@fuzz_settings(40)
+@given(case=_decoding_cases())
+def test_fused_steps_on_drawn_models_equal_the_python_steps(case):
+    """Drawn model sizes, padding (right padding as key lengths, a hole as a dense mask),
+    dtypes and chunkings of the target: the fused steps give the Python steps' bits."""
+    require_extension("cpu", "attention")
+    torch.manual_seed(case["seed"])
+    config = Seq2SeqConfig(
+        src_vocab_size=19, tgt_vocab_size=VOCAB, d_model=case["d_model"], nhead=case["nhead"],
+        num_encoder_layers=case["layers"], num_decoder_layers=case["layers"], dim_feedforward=2 * case["d_model"],
+        activation=case["activation"], norm_first=case["norm_first"], bias=case["bias"], src_pad_idx=PAD,
+        tgt_pad_idx=PAD, max_len=64,
+    )
+    model = Seq2SeqTransformer(config).eval().to(case["dtype"])
+    g = torch.Generator().manual_seed(case["seed"])
+    src = torch.randint(3, 19, (len(case["lengths"]), case["source"]), generator=g)
+    for row, length in enumerate(case["lengths"]):
+        src[row, length:] = PAD
+    if case["hole"]:
+        src[0, 1] = PAD
+    tgt = torch.randint(3, VOCAB, (src.shape[0], sum(case["chunks"])), generator=g)
+    pad = model.src_padding_mask(src)
+    fused, cache, ops = _steps(model, src, tgt, case["chunks"], pad)
+    assert STEP_OP in ops
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FT, "_decoder_step_inference_op", lambda x: None)
+        plain, plain_cache, ops = _steps(model, src, tgt, case["chunks"], pad)
+    assert STEP_OP not in ops
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    for lc, plain_lc in zip(cache.layers, plain_cache.layers):
+        assert torch.equal(lc.self_k, plain_lc.self_k) and torch.equal(lc.self_v, plain_lc.self_v)
