@@ -122,7 +122,8 @@ void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, cons
   const T* mf = mask.defined() && !bool_mask ? mask.data_ptr<T>() : nullptr;
   scalar_t* od = out.data_ptr<scalar_t>();  // contiguous (N, H, L, D)
   scalar_t* wd = weights.data_ptr<scalar_t>();  // contiguous (N, H, L, S) or (N, L, S)
-  std::vector<T> srow(S), orow(D), wsum(average ? L * S : 0), wrow(S);
+  std::vector<T> srow(S), orow(D), wsum(average ? L * S : 0);
+  const int64_t ms3 = mask.defined() ? mask.stride(3) : 0;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t visible = len ? std::clamp<int64_t>(len[n], 0, S) : S;
     std::fill(wsum.begin(), wsum.end(), T(0));
@@ -134,8 +135,8 @@ void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, cons
         const int64_t m0 = mask.defined() ? n * mask.stride(0) + h * mask.stride(1) + l * mask.stride(2) : 0;
         for (int64_t j = 0; j < S; ++j) {
           T s = dot(qr, kh + j * k.stride(2), D) * scale;
-          if (mb && !mb[m0 + j * mask.stride(3)]) s = neg_inf<T>();
-          if (mf) s += mf[m0 + j * mask.stride(3)];
+          if (mb && !mb[m0 + j * ms3]) s = neg_inf<T>();
+          if (mf) s += mf[m0 + j * ms3];
           if (j >= visible || (is_causal && j > l)) s = neg_inf<T>();
           srow[j] = s;
         }
