@@ -11,8 +11,8 @@ Sweeps (select with --sweep):
               digits-average model: d_model 256, 4 heads, 3+3 layers, FFN 512, batch 64,
               source 91 tokens, decoder input 9 tokens. tokens/s = batch * (91 + 9) / step.
     decode    greedy decoding, 9 new tokens (the task's answer) for 64 sources and 64 new
-              tokens for 8: torch.nn (which has no KV cache: the whole prefix is re-decoded at
-              every step), fasttrans without and with its KV cache.
+              tokens for 8 and for 1: torch.nn (which has no KV cache: the whole prefix is
+              re-decoded at every step), fasttrans without and with its KV cache.
               tokens/s = batch * new tokens / time.
     infer     the digits-average model's forward in eval mode without gradients (logits for
               a source and a decoder input), from one short sequence to the training batch:
@@ -242,9 +242,10 @@ def configs(bench: common.Bench):
         entries=train_entries(bench), work=float(batch * (DIGITS_SRC_LEN + DIGITS_TGT_INPUT_LEN)),
         work_unit="token", measure="time+memory",
     )
-    # without a cache, T new tokens cost T * (T + 1) / 2 decoder positions: the long case
-    # uses a smaller batch so that the cacheless providers stay within the time budget
-    for decode_batch, new_tokens in ((2, 9),) if bench.quick else ((64, 9), (8, 64)):
+    # without a cache, T new tokens cost T * (T + 1) / 2 decoder positions: the long cases
+    # use smaller batches so that the cacheless providers stay within the time budget; batch 1
+    # is one sequence's latency, where each step's fixed costs weigh most
+    for decode_batch, new_tokens in ((2, 9),) if bench.quick else ((64, 9), (8, 64), (1, 64)):
         yield Config(
             sweep="decode", case=f"greedy decode {new_tokens} tokens, batch {decode_batch}", op="seq2seq",
             mode="decode", dtype=fp32, params=_params(DIGITS_MODEL, decode_batch, DIGITS_SRC_LEN, new_tokens),
