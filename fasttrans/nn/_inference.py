@@ -31,6 +31,11 @@ softmax weights instead, which it returns (within rounding of the module path's,
 query with no allowed key, as torch): by ATen's batched matmuls and softmax, or for few
 scores (a batch of one short sequence) in one loop nest, where those calls would cost more
 than their arithmetic.
+
+Incremental decoding (fasttrans.models.decoding) runs each decoder layer's step the same way,
+under the same conditions: :func:`decoder_layer_step` calls
+``fasttrans::decoder_layer_step_fwd_extension``, which also writes the new positions' keys
+and values into the layer's cache.
 """
 
 from __future__ import annotations
