@@ -471,7 +471,7 @@ constexpr int64_t kRowGroup = 4;
 template <typename scalar_t>
 void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& w,
                      const at::Tensor& mean, const at::Tensor& rstd, bool rms, bool want_dw, bool want_db,
-                     at::Tensor& dx, at::Tensor& dw_part, at::Tensor& db_part) {
+                     int64_t R, at::Tensor& dx, at::Tensor& dw_part, at::Tensor& db_part) {
   using T = acc_t<scalar_t>;
   constexpr int64_t W = Vec<T>::size();
   constexpr bool kSame = std::is_same_v<scalar_t, T>;
@@ -486,8 +486,7 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
   const T* mean_data = rms ? nullptr : mean.data_ptr<T>();
   const T* rstd_data = rstd.data_ptr<T>();
   scalar_t* dx_data = dx.data_ptr<scalar_t>();
-  const int64_t R = rows_per_chunk(M, N);
-  const int64_t n_chunks = (M + R - 1) / R;
+  const int64_t n_chunks = (M + R - 1) / R;  // R rows per chunk: the partials' rows (norm_bwd)
   T* dw_data = want_dw ? dw_part.data_ptr<T>() : nullptr;  // (n_chunks, N)
   T* db_data = want_db ? db_part.data_ptr<T>() : nullptr;
   const T inv_n = T(1) / static_cast<T>(N);
@@ -732,12 +731,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   const bool want_db = bias.has_value() && bias->defined();
 
   at::Tensor dx = at::empty({M, N}, h.options());
-  const int64_t n_chunks = M == 0 ? 0 : (M + rows_per_chunk(M, N) - 1) / rows_per_chunk(M, N);
+  const int64_t R = rows_per_chunk(M, N);
+  const int64_t n_chunks = (M + R - 1) / R;
   at::Tensor dw_part = at::empty({want_dw ? n_chunks : 0, N}, h.options().dtype(acc));
   at::Tensor db_part = at::empty({want_db ? n_chunks : 0, N}, h.options().dtype(acc));
   if (M > 0 && N > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "norm_bwd_extension", [&] {
-      norm_bwd_kernel<scalar_t>(dy, dh, h, w, mean_c, rstd_c, rms, want_dw, want_db, dx, dw_part, db_part);
+      norm_bwd_kernel<scalar_t>(dy, dh, h, w, mean_c, rstd_c, rms, want_dw, want_db, R, dx, dw_part, db_part);
     });
   } else {
     dw_part.zero_();
