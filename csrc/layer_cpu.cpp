@@ -61,9 +61,28 @@ at::Tensor split_heads(const at::Tensor& t, bool seq_first) {
   return seq_first ? t.permute({1, 2, 0, 3}) : t.transpose(1, 2);
 }
 
+// 1 / sqrt(head size): the scores' scale, as fasttrans.attention's default (scale=None)
+double head_scale(int64_t D) {
+  return 1.0 / std::sqrt(static_cast<double>(D));
+}
+
+// The queries of x (A, B, E): the first E rows of the packed in-projection, as (A, B, H, D)
+at::Tensor query_projection(const at::Tensor& x, const AttentionArgs& a, int64_t H) {
+  const int64_t E = x.size(2);
+  return at::linear(x, a.in_weight.narrow(0, 0, E), narrowed(a.in_bias, 0, E)).view({x.size(0), x.size(1), H, E / H});
+}
+
+// out (N, H, L, D) -> rows of E features in x's layout (A, B, E), then the out-projection
+at::Tensor output_projection(const at::Tensor& out, const at::Tensor& x, const AttentionArgs& a, bool seq_first) {
+  const at::Tensor rows =
+      (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).reshape({x.size(0), x.size(1), x.size(2)});
+  return at::linear(rows, a.out_weight, a.out_bias);
+}
+
 // The softmax weights (N, H, L, S) of q (N, H, L, D) over k (N, H, S, D), materialised, in q's
 // dtype (scores in fp32 for fp16/bf16): what MultiheadAttention returns for need_weights. A
-// query with no allowed key has NaN weights, as torch's softmax of a row of -inf.
+// query with no allowed key has NaN weights, as torch's softmax of a row of -inf. The mask
+// and key lengths are checked by the caller (attention_block).
 at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& mask,
                              const std::optional<at::Tensor>& key_lengths, bool is_causal, double scale) {
   const at::ScalarType acc =
@@ -71,7 +90,6 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std
   at::Tensor s = at::matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale);
   const double neg_inf = -std::numeric_limits<double>::infinity();
   if (mask.has_value()) {
-    checks::mask_broadcasts(*mask, s.size(0), s.size(1), s.size(2), s.size(3));
     if (mask->scalar_type() == at::kBool) {
       s.masked_fill_(mask->logical_not(), neg_inf);
     } else {
@@ -79,7 +97,6 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std
     }
   }
   if (key_lengths.has_value()) {
-    checks::key_lengths_shape(*key_lengths, s.size(0));
     const at::Tensor positions = at::arange(s.size(3), key_lengths->options().dtype(at::kLong));
     s.masked_fill_(positions.view({1, 1, 1, -1}).ge(key_lengths->to(at::kLong).view({-1, 1, 1, 1})), neg_inf);
   }
@@ -182,11 +199,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_weights(const at::Tensor& q, c
   const at::Tensor qa = rows(q), ka = rows(k), va = rows(v);
   at::Tensor m, lengths;
   if (mask.has_value()) {
-    checks::mask_broadcasts(*mask, N, H, L, S);
     m = (mask->scalar_type() == at::kBool ? *mask : mask->to(acc)).expand({N, H, L, S});
   }
   if (key_lengths.has_value()) {
-    checks::key_lengths_shape(*key_lengths, N);
     lengths = key_lengths->to(at::kLong).contiguous();
   }
   at::Tensor out = at::empty({N, H, L, D}, q.options());
@@ -213,13 +228,19 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const Atte
     k = qkv.select(2, 1);
     v = qkv.select(2, 2);
   } else {  // queries from x; keys and values share one (.., 2E) projection of kv
-    q = at::linear(x, a.in_weight.narrow(0, 0, E), narrowed(a.in_bias, 0, E)).view({x.size(0), x.size(1), H, D});
+    q = query_projection(x, a, H);
     const at::Tensor pkv = at::linear(*kv, a.in_weight.narrow(0, E, 2 * E), narrowed(a.in_bias, E, 2 * E))
                                .view({kv->size(0), kv->size(1), 2, H, D});
     k = pkv.select(2, 0);
     v = pkv.select(2, 1);
   }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = head_scale(D);
+  if (weights != nullptr) {  // the fused kernel checks its own; the weights paths share these
+    const int64_t N = x.size(seq_first ? 1 : 0), L = x.size(seq_first ? 0 : 1);
+    const int64_t S = kv == nullptr ? L : kv->size(seq_first ? 0 : 1);
+    if (a.mask.has_value()) checks::mask_broadcasts(*a.mask, N, H, L, S);
+    if (a.key_lengths.has_value()) checks::key_lengths_shape(*a.key_lengths, N);
+  }
   at::Tensor out;
   if (weights != nullptr && loop_weights(split_heads(q, seq_first), split_heads(k, seq_first))) {
     std::tie(out, *weights) = attention_with_weights(split_heads(q, seq_first), split_heads(k, seq_first),
@@ -235,9 +256,7 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor* kv, const Atte
                                     a.mask, a.key_lengths, a.is_causal, /*causal_offset=*/0, /*dropout_p=*/0.0, scale,
                                     /*seed=*/0));
   }
-  // (N, H, L, D) -> (A, B, H, D) rows of E features, then the output projection
-  out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).reshape({x.size(0), x.size(1), E});
-  return at::linear(out, a.out_weight, a.out_bias);
+  return output_projection(out, x, a, seq_first);
 }
 
 struct Norm {
@@ -368,19 +387,17 @@ at::Tensor cached_self_attention(const at::Tensor& x, at::Tensor& self_k, at::Te
   self_v.narrow(2, start, n).copy_(qkv.select(2, 2).transpose(1, 2));
   const at::Tensor out = std::get<0>(attention_fwd(
       qkv.select(2, 0).transpose(1, 2), self_k.narrow(2, 0, start + n), self_v.narrow(2, 0, start + n), std::nullopt,
-      std::nullopt, /*is_causal=*/true, /*causal_offset=*/start, /*dropout_p=*/0.0, 1.0 / std::sqrt(double(D)), 0));
-  return at::linear(out.transpose(1, 2).reshape({B, n, E}), a.out_weight, a.out_bias);
+      std::nullopt, /*is_causal=*/true, /*causal_offset=*/start, /*dropout_p=*/0.0, head_scale(D), 0));
+  return output_projection(out, x, a, /*seq_first=*/false);
 }
 
 // Cross-attention of x (B, n, E) over projected memory keys and values (B, H, S, D).
 at::Tensor cached_cross_attention(const at::Tensor& x, const at::Tensor& cross_k, const at::Tensor& cross_v,
                                   const AttentionArgs& a, int64_t H) {
-  const int64_t B = x.size(0), n = x.size(1), E = x.size(2), D = E / H;
-  const at::Tensor q =
-      at::linear(x, a.in_weight.narrow(0, 0, E), narrowed(a.in_bias, 0, E)).view({B, n, H, D}).transpose(1, 2);
-  const at::Tensor out = std::get<0>(attention_fwd(q, cross_k, cross_v, a.mask, a.key_lengths, /*is_causal=*/false,
-                                                   0, /*dropout_p=*/0.0, 1.0 / std::sqrt(double(D)), 0));
-  return at::linear(out.transpose(1, 2).reshape({B, n, E}), a.out_weight, a.out_bias);
+  const at::Tensor out =
+      std::get<0>(attention_fwd(query_projection(x, a, H).transpose(1, 2), cross_k, cross_v, a.mask, a.key_lengths,
+                                /*is_causal=*/false, 0, /*dropout_p=*/0.0, head_scale(x.size(2) / H), 0));
+  return output_projection(out, x, a, /*seq_first=*/false);
 }
 
 }  // namespace
