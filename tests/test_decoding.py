@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -136,18 +137,12 @@ def test_generate_restores_every_submodules_mode():
 STEP_OP = "fasttrans::decoder_layer_step_fwd_extension"
 
 
-@pytest.fixture
-def python_steps(monkeypatch):
-    """A context in which decode_step never takes the fused call (the Python layer step)."""
-
-    class Off:
-        def __enter__(self):
-            monkeypatch.setattr(FT, "_decoder_step_inference_op", lambda x: None)
-
-        def __exit__(self, *exc):
-            monkeypatch.undo()
-
-    return Off()
+@contextlib.contextmanager
+def _python_steps():
+    """decode_step never takes the fused call inside: the Python layer step runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FT, "_decoder_step_inference_op", lambda x: None)
+        yield
 
 
 def _steps(model, src, tgt, chunks, padding):
@@ -163,10 +158,25 @@ def _steps(model, src, tgt, chunks, padding):
     return outs, cache, {e.name for e in prof.events() if e.name.startswith("fasttrans::")}
 
 
+def _assert_fused_steps_equal_python_steps(model, src, tgt, chunks, padding):
+    """The fused steps ran, the Python steps did not, and both gave the same outputs and
+    caches bit for bit; returns the fused run's cache."""
+    fused, cache, ops = _steps(model, src, tgt, chunks, padding)
+    assert STEP_OP in ops
+    with _python_steps():
+        plain, plain_cache, ops = _steps(model, src, tgt, chunks, padding)
+    assert STEP_OP not in ops
+    for a, b in zip(fused, plain):
+        assert a.dtype == next(model.parameters()).dtype and torch.equal(a, b)
+    for lc, plain_lc in zip(cache.layers, plain_cache.layers):
+        assert torch.equal(lc.self_k, plain_lc.self_k) and torch.equal(lc.self_v, plain_lc.self_v)
+    return cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("padding", ["none", "right", "hole"])
 @pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu"), (True, "relu"), (False, "gelu")])
-def test_fused_steps_equal_the_python_steps_bit_for_bit(norm_first, activation, padding, dtype, python_steps):
+def test_fused_steps_equal_the_python_steps_bit_for_bit(norm_first, activation, padding, dtype):
     require_extension("cpu", "attention")
     model = _model(norm_first, activation).eval().to(dtype)
     src = _src()
@@ -177,19 +187,11 @@ def test_fused_steps_equal_the_python_steps_bit_for_bit(norm_first, activation, 
     pad = model.src_padding_mask(src)
     tgt = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(2))
     chunks = (1, 3, 1, 4)  # single tokens and forced prefixes on top of a cached one
-    fused, cache, ops = _steps(model, src, tgt, chunks, pad)
-    assert STEP_OP in ops
-    with python_steps:
-        plain, plain_cache, ops = _steps(model, src, tgt, chunks, pad)
-    assert STEP_OP not in ops
+    cache = _assert_fused_steps_equal_python_steps(model, src, tgt, chunks, pad)
     if padding == "right":
         assert cache.memory_lengths is not None
     if padding == "hole":
         assert cache.memory_mask is not None
-    for a, b in zip(fused, plain):
-        assert a.dtype == dtype and torch.equal(a, b)
-    for lc, plain_lc in zip(cache.layers, plain_cache.layers):
-        assert torch.equal(lc.self_k, plain_lc.self_k) and torch.equal(lc.self_v, plain_lc.self_v)
 
 
 def test_fused_steps_only_where_nothing_needs_a_gradient_or_a_module():
@@ -197,7 +199,7 @@ def test_fused_steps_only_where_nothing_needs_a_gradient_or_a_module():
     model = _model(False).eval()
     src, tgt = _src(), torch.randint(3, VOCAB, (3, 2), generator=torch.Generator().manual_seed(2))
 
-    def ops(**kw):
+    def ops():
         memory = model.encode(src).detach()
         cache = build_cache(model, memory, model.src_padding_mask(src), capacity=2)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -215,12 +217,12 @@ def test_fused_steps_only_where_nothing_needs_a_gradient_or_a_module():
         assert STEP_OP in names and "aten::relu" in names  # the hooked layer steps in Python, the next one fused
 
 
-def test_fused_step_in_generate_equals_python_steps(python_steps):
+def test_fused_step_in_generate_equals_python_steps():
     require_extension("cpu", "attention")
     model = _model(True, "gelu")
     src = _src()
     tokens, logits = model.generate(src, 10, BOS, None, return_logits=True)
-    with python_steps:
+    with _python_steps():
         tokens_p, logits_p = model.generate(src, 10, BOS, None, return_logits=True)
     assert torch.equal(tokens, tokens_p) and torch.equal(logits, logits_p)
 
@@ -309,14 +311,4 @@ def test_fused_steps_on_drawn_models_equal_the_python_steps(case):
     if case["hole"]:
         src[0, 1] = PAD
     tgt = torch.randint(3, VOCAB, (src.shape[0], sum(case["chunks"])), generator=g)
-    pad = model.src_padding_mask(src)
-    fused, cache, ops = _steps(model, src, tgt, case["chunks"], pad)
-    assert STEP_OP in ops
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FT, "_decoder_step_inference_op", lambda x: None)
-        plain, plain_cache, ops = _steps(model, src, tgt, case["chunks"], pad)
-    assert STEP_OP not in ops
-    for a, b in zip(fused, plain):
-        assert torch.equal(a, b)
-    for lc, plain_lc in zip(cache.layers, plain_cache.layers):
-        assert torch.equal(lc.self_k, plain_lc.self_k) and torch.equal(lc.self_v, plain_lc.self_v)
+    _assert_fused_steps_equal_python_steps(model, src, tgt, case["chunks"], model.src_padding_mask(src))
