@@ -23,6 +23,7 @@
 
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -292,6 +293,12 @@ RowStats<T> row_stats(Moments<T> m, T shift, int64_t n, Recompute&& moments_abou
     m = moments_about(shift);
     d = m.s1 / nn;
     var = (m.s2 - m.s1 * d) / nn;
+  }
+  // Still not finite about the mean, with every element finite (s1 finite): the squares
+  // themselves overflow (s2 = inf; s1 * d may too, for inf - inf = NaN). The two-pass
+  // variance is inf there as well, and rstd = 0.
+  if (!std::isfinite(var) && m.s2 == std::numeric_limits<T>::infinity() && std::isfinite(m.s1)) {
+    var = m.s2;
   }
   return {shift, d, std::max(var, T(0))};
 }

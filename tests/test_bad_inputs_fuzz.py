@@ -948,21 +948,31 @@ def test_inf_in_v_with_a_subnormal_weight():
     _compare("out", out, ref, TOL[F32])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the extension takes the variance in one pass as (sum (h - shift)^2 - sum (h - shift) * d) / N: "
-    "when the squares overflow (|h| above ~1.8e19 in float32, ~1.3e154 in float64) that is inf - inf = "
-    "NaN, where the reference's two-pass variance is inf and its output 0 * w + b"))
-@pytest.mark.parametrize("dtype,row", [(F32, [1e30, 2e30, 3e30]), (F64, [1e200, -2e200, 3e200, 0.5e200])],
-                         ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype,row", [(F32, [1e30, 2e30, 3e30]), (F32, [1e30, 2e30, 3e30] * 11),
+                                       (F64, [1e200, -2e200, 3e200, 0.5e200])],
+                         ids=["float32", "float32-vectors", "float64"])
 def test_layer_norm_of_huge_values_gives_no_nan(dtype, row):
-    # (torch's own F.layer_norm gives NaN for these rows, 0 for others; the exact values are finite)
+    # The squares about the mean overflow (|h| above ~1.8e19 in float32, ~1.3e154 in float64):
+    # the variance is inf, rstd 0 and y = 0 * w + b, as the reference's two-pass variance gives.
+    # The one-pass sums used to give inf - inf = NaN. (torch's own F.layer_norm gives NaN for
+    # these rows; the exact values are finite.)
     x = torch.tensor([row], dtype=dtype)
-    with fasttrans.use_backend("reference"):
-        ref = fasttrans.layer_norm(x, (len(row),))
-    with fasttrans.use_backend("extension"):
-        out = fasttrans.layer_norm(x, (len(row),))
-    assert not ref.isnan().any()
-    _compare("y", out, ref, TOL[dtype])
+    n = len(row)
+    w = torch.linspace(0.5, 1.5, n, dtype=dtype)
+    b = torch.linspace(-1.0, 1.0, n, dtype=dtype)
+    g = torch.linspace(-2.0, 2.0, n, dtype=dtype)
+    results = {}
+    for backend in ("extension", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with fasttrans.use_backend(backend):
+            y = fasttrans.layer_norm(leaves[0], (n,), leaves[1], leaves[2])
+            y2, h = fasttrans.add_layer_norm(leaves[0], leaves[0] * 0.5, leaves[1], leaves[2], 1e-5)
+        grads = torch.autograd.grad(((y + y2) * g).sum(), leaves)
+        results[backend] = (y.detach(), y2.detach(), *grads)
+    assert not any(t.isnan().any() for t in results["reference"])
+    assert torch.equal(results["reference"][0], b.unsqueeze(0))  # the exact answer: rstd = 0
+    for name, a, r in zip(("y", "add_layer_norm y", "dx", "dw", "db"), results["extension"], results["reference"]):
+        _compare(name, a, r, TOL[dtype])
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-5])
