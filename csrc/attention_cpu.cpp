@@ -1,7 +1,7 @@
 // Fused attention on the CPU: flash-style blocked forward and backward.
 //
 // Forward, for one block of BM query rows (online softmax, Milakov & Gimelshein 2018):
-//     for each tile of BN keys j:   S  = (scale Q) K_j^T + mask            (BM x BN)
+//     for each tile of BN keys j:   S  = scale Q K_j^T + mask              (BM x BN)
 //                                   m' = max(m, rowmax S);  P = exp(S - m')
 //                                   l  = l exp(m - m') + rowsum P
 //                                   O  = O exp(m - m') + (P * keep) V_j
@@ -304,7 +304,7 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
       return;
     }
 
-    for (int64_t r = 0; r < bm; ++r) load_scaled(q_rows(b, h, i0 + r), s.q.data() + r * D, D, T(p.scale));
+    for (int64_t r = 0; r < bm; ++r) load_scaled(q_rows(b, h, i0 + r), s.q.data() + r * D, D, T(1));
     std::fill(s.m.begin(), s.m.end(), neg_inf<T>());
     std::fill(s.l.begin(), s.l.end(), T(0));
     std::fill(s.o.begin(), s.o.end(), T(0));
@@ -316,10 +316,13 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         for (int64_t r = 0; r < bm; ++r) dots(s.q.data() + r * D, k_rows(b, hk, j0), k_rows.si, bn, D, s.s.data() + r * BN);
       } else if (tile_transpose) {
         transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
-        gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = (scale Q) K^T
+        gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = Q K^T
       } else {
         gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);
       }
+      // scaled after the products, as the reference's (q . k) * scale: a scaled q can overflow
+      // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf)
+      for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
 
       if (p.mask) {
         for (int64_t r = 0; r < bm; ++r) {

@@ -135,11 +135,11 @@ __device__ __forceinline__ float dropout_factor(const AttentionArgs& a, int64_t 
 // Rows [i0, i0 + n) of a strided (B, H, L, D) tensor into shared memory as fp32 (ld = ld_s),
 // zero past row L - 1. Element (i, d) of the source is src[base + i * s_row + d].
 __device__ __forceinline__ void stage_rows(float* dst, int ld_s, const void* src, DType t, int64_t base, int64_t s_row,
-                                           int64_t i0, int n, int64_t L, int D, float scale) {
+                                           int64_t i0, int n, int64_t L, int D) {
   for (int idx = threadIdx.x; idx < n * D; idx += kThreads) {
     const int r = idx / D, d = idx % D;
     const int64_t i = i0 + r;
-    dst[r * ld_s + d] = i < L ? load_float(src, base + i * s_row + d, t) * scale : 0.0f;
+    dst[r * ld_s + d] = i < L ? load_float(src, base + i * s_row + d, t) : 0.0f;
   }
 }
 
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
                                                                               float* __restrict__ lse) {
   extern __shared__ float smem[];
   const int D = static_cast<int>(a.D), ld = D + 1;
-  float* q_s = smem;                    // [kBlockRows][D], pre-scaled
+  float* q_s = smem;                    // [kBlockRows][D]
   float* k_s = q_s + kBlockRows * D;    // [kTile][D + 1]: lane j reads row j (padding: no bank conflicts)
   float* v_s = k_s + kTile * ld;        // [kTile][D + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
   const int64_t rows = a.Lq - i0 < kBlockRows ? a.Lq - i0 : kBlockRows;
   const int64_t kv_end = block_kv_end(a, kv_length(a, b), i0, rows);
   const int64_t q_base = b * a.q_sb + h * a.q_sh, k_base = b * a.k_sb + hk * a.k_sh, v_base = b * a.v_sb + hk * a.v_sh;
-  stage_rows(q_s, D, a.q, a.dtype, q_base, a.q_si, i0, kBlockRows, a.Lq, D, a.scale);
+  stage_rows(q_s, D, a.q, a.dtype, q_base, a.q_si, i0, kBlockRows, a.Lq, D);
 
   float m[kPerWarp], l[kPerWarp], acc[kPerWarp][DPL];
 #pragma unroll
@@ -203,8 +203,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
 
   for (int64_t j0 = 0; j0 < kv_end; j0 += kTile) {
     __syncthreads();  // the previous tile is consumed (and q_s is staged, on the first pass)
-    stage_rows(k_s, ld, a.k, a.dtype, k_base, a.k_si, j0, kTile, kv_end, D, 1.0f);
-    stage_rows(v_s, ld, a.v, a.dtype, v_base, a.v_si, j0, kTile, kv_end, D, 1.0f);
+    stage_rows(k_s, ld, a.k, a.dtype, k_base, a.k_si, j0, kTile, kv_end, D);
+    stage_rows(v_s, ld, a.v, a.dtype, v_base, a.v_si, j0, kTile, kv_end, D);
     __syncthreads();
 
     float s[kPerWarp];
@@ -222,7 +222,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
     for (int r = 0; r < kPerWarp; ++r) {
       const int64_t i = i0 + warp * kPerWarp + r;
       const bool ok = allowed(a, kv_end, b, h, i, j);
-      const float score = ok ? s[r] + mask_add(a, b, h, i, j) : -INFINITY;
+      // (q.k) * scale, as the backward and the reference: a scaled q could overflow, or
+      // underflow to 0 against an inf key
+      const float score = ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY;
       // NaN from the first NaN score on: alpha and p are then NaN, and so are l and the output
       const float m_new = nan_max(m[r], warp_max(score));
       float alpha = 1.0f;
@@ -300,8 +302,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
   const int64_t rows = a.Lq - i0 < kBlockRows ? a.Lq - i0 : kBlockRows;
   const int64_t kv_end = block_kv_end(a, kv_length(a, b), i0, rows);
   const int64_t k_base = b * a.k_sb + hk * a.k_sh, v_base = b * a.v_sb + hk * a.v_sh;
-  stage_rows(q_s, D, a.q, a.dtype, b * a.q_sb + h * a.q_sh, a.q_si, i0, kBlockRows, a.Lq, D, 1.0f);
-  stage_rows(do_s, D, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i0, kBlockRows, a.Lq, D, 1.0f);
+  stage_rows(q_s, D, a.q, a.dtype, b * a.q_sb + h * a.q_sh, a.q_si, i0, kBlockRows, a.Lq, D);
+  stage_rows(do_s, D, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i0, kBlockRows, a.Lq, D);
 
   float row_lse[kPerWarp], row_delta[kPerWarp], acc[kPerWarp][DPL];
 #pragma unroll
@@ -315,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
 
   for (int64_t j0 = 0; j0 < kv_end; j0 += kTile) {
     __syncthreads();
-    stage_rows(k_s, ld, a.k, a.dtype, k_base, a.k_si, j0, kTile, kv_end, D, 1.0f);
-    stage_rows(v_s, ld, a.v, a.dtype, v_base, a.v_si, j0, kTile, kv_end, D, 1.0f);
+    stage_rows(k_s, ld, a.k, a.dtype, k_base, a.k_si, j0, kTile, kv_end, D);
+    stage_rows(v_s, ld, a.v, a.dtype, v_base, a.v_si, j0, kTile, kv_end, D);
     __syncthreads();
 
     float s[kPerWarp], dp[kPerWarp];
@@ -384,8 +386,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
   const int64_t b = blockIdx.z, hk = blockIdx.y, group = a.H / a.Hkv;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kBlockRows;
   const int64_t kv_len = kv_length(a, b);
-  stage_rows(k_s, D, a.k, a.dtype, b * a.k_sb + hk * a.k_sh, a.k_si, j0, kBlockRows, kv_len, D, 1.0f);
-  stage_rows(v_s, D, a.v, a.dtype, b * a.v_sb + hk * a.v_sh, a.v_si, j0, kBlockRows, kv_len, D, 1.0f);
+  stage_rows(k_s, D, a.k, a.dtype, b * a.k_sb + hk * a.k_sh, a.k_si, j0, kBlockRows, kv_len, D);
+  stage_rows(v_s, D, a.v, a.dtype, b * a.v_sb + hk * a.v_sh, a.v_si, j0, kBlockRows, kv_len, D);
 
   float acc_k[kPerWarp][DPL], acc_v[kPerWarp][DPL];
 #pragma unroll
@@ -406,8 +408,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
     const int64_t bh = b * a.H + h;
     for (int64_t i1 = i_begin; i1 < a.Lq; i1 += kTile) {
       __syncthreads();  // the previous tile is consumed (and the keys are staged, on the first pass)
-      stage_rows(q_s, ld, a.q, a.dtype, b * a.q_sb + h * a.q_sh, a.q_si, i1, kTile, a.Lq, D, 1.0f);
-      stage_rows(do_s, ld, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i1, kTile, a.Lq, D, 1.0f);
+      stage_rows(q_s, ld, a.q, a.dtype, b * a.q_sb + h * a.q_sh, a.q_si, i1, kTile, a.Lq, D);
+      stage_rows(do_s, ld, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i1, kTile, a.Lq, D);
       if (threadIdx.x < kTile) {
         const int64_t i = i1 + threadIdx.x;
         lse_s[threadIdx.x] = i < a.Lq ? lse[bh * a.Lq + i] : INFINITY;

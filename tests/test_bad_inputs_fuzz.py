@@ -887,23 +887,24 @@ def _check_dropout(case):
 
 
 # --------------------------------------------------------------------------------------
-# 1d. known problems of the public functions (strict: each turns into a pass when fixed)
+# 1d. numeric edge cases of the public functions; the known problems among them are strict
+#     xfails (each turns into a pass when fixed)
 # --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "the extension scales q before the dot products ((scale q) . k), the reference after them "
-    "((q . k) * scale): with a finite scale near the float32 range the extension's partial sums "
-    "overflow to inf - inf = NaN where the reference's scores are finite; with a subnormal scale "
-    "scale * q underflows to 0 and 0 * inf = NaN against an inf key, where the reference's score is "
-    "-inf (the row fully masked: out 0, as F.scaled_dot_product_attention)"))
-@pytest.mark.parametrize("q,k,v,scale,dtype,expected", [
-    ([1.0, 1.0], [2.0, -1.0], [3.0, 4.0], 2e38, F32, [3.0, 4.0]),  # score 1 * 2e38: finite, one key: out = v
-    ([-0.3], [math.inf], [2.0], 5e-324, F64, [0.0]),  # score -inf * 5e-324 = -inf: no visible key
-], ids=["huge", "subnormal-with-inf-key"])
-def test_extreme_finite_scale_gives_no_nan(q, k, v, scale, dtype, expected):
+_HUGE_SCALE = ([1.0, 1.0], [2.0, -1.0], [3.0, 4.0], 2e38, F32, [3.0, 4.0])  # score 1 * 2e38: finite, one key: out = v
+_SUBNORMAL_SCALE = ([-0.3], [math.inf], [2.0], 5e-324, F64, [0.0])  # score -inf * 5e-324 = -inf: no visible key
+
+
+@pytest.mark.parametrize("backend,q,k,v,scale,dtype,expected", [
+    ("extension", *_HUGE_SCALE), ("extension", *_SUBNORMAL_SCALE),
+    pytest.param("triton", *_HUGE_SCALE, marks=needs_triton),  # (the Triton kernels take no float64)
+], ids=["extension-huge", "extension-subnormal-with-inf-key", "triton-huge"])
+def test_extreme_finite_scale_gives_no_nan(backend, q, k, v, scale, dtype, expected):
+    # The scores are (q . k) * scale, as the reference's: a q scaled first overflows in the
+    # first case ((2e38 q) . k = inf - 2e38) and underflows to 0 in the second (0 * inf = NaN).
     q, k, v = (torch.tensor([[[t]]], dtype=dtype) for t in (q, k, v))
     with fasttrans.use_backend("reference"):
         ref = fasttrans.attention(q, k, v, scale=scale)
-    with fasttrans.use_backend("extension"):
+    with fasttrans.use_backend(backend):
         out = fasttrans.attention(q, k, v, scale=scale)
     assert ref.flatten().tolist() == expected
     _compare("out", out, ref, TOL[dtype])

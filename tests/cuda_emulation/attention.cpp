@@ -256,6 +256,24 @@ int check(const Cfg& c, uint64_t seed_) {
   return bad;
 }
 
+// One query, one key, D = 2, scale 2e38: the score (q.k) * scale = 1 * 2e38 is finite and
+// the output is v. A q scaled before the dot product overflows ((2e38 q).k = inf - 2e38).
+int check_huge_scale() {
+  std::vector<float> q = {1.0f, 1.0f}, k = {2.0f, -1.0f}, v = {3.0f, 4.0f}, dout = {1.0f, 1.0f};
+  std::vector<float> out(2, NAN), lse(1, NAN), delta(1, NAN), dq(2, NAN), dk(2, NAN), dv(2, NAN);
+  AttentionArgs a{};
+  a.B = a.H = a.Hkv = a.Lq = a.Lk = 1; a.D = 2; a.dtype = DType::kFloat32;
+  a.q = q.data(); a.k = k.data(); a.v = v.data();
+  a.q_sb = a.q_sh = a.q_si = 2; a.k_sb = a.k_sh = a.k_si = 2; a.v_sb = a.v_sh = a.v_si = 2;
+  a.mask_type = MaskType::kNone; a.scale = 2e38f; a.dropout_scale = 1.0f;
+  run_launchers(a, out.data(), lse.data(), dout.data(), delta.data(), dq.data(), dk.data(), dv.data(), nullptr);
+  // one key: P = 1, so out = v, dv = dout and dS = P (dP - delta) = 0, hence dq = dk = 0
+  const bool ok = out[0] == 3.0f && out[1] == 4.0f && dv[0] == 1.0f && dv[1] == 1.0f && dq[0] == 0.0f &&
+                  dq[1] == 0.0f && dk[0] == 0.0f && dk[1] == 0.0f;
+  if (!ok) printf("scale 2e38: out (%g, %g) dq (%g, %g) dk (%g, %g) dv (%g, %g)\n", out[0], out[1], dq[0], dq[1], dk[0], dk[1], dv[0], dv[1]);
+  return ok ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   std::vector<Cfg> cfgs = {
     {1, 1, 1, 1, 1, 1, 0, 0, false, false, 0, 0.0},
@@ -297,6 +315,7 @@ int main(int argc, char** argv) {
   int bad = 0;
   int first = argc > 1 ? atoi(argv[1]) : 0, last = argc > 2 ? atoi(argv[2]) : (int)cfgs.size();
   for (int t = first; t < last; ++t) bad += check(cfgs[t], 1000 + t) ? 1 : 0;
+  if (first == 0) bad += check_huge_scale();
   printf("%d bad configs\n", bad);
   return bad != 0;
 }
