@@ -384,7 +384,8 @@ struct BwdOperands {
   Rows<const T> q, dout, k, v;      // natural layout rows (B, H|Hkv, L, D)
   const T* qt;                      // (B, H, D, Lq)
   const T* dout_t;                  // (B, H, D, Lq)
-  const T* lse;                     // (B, H, Lq)
+  const T* lse;                     // (B, H, Lq): lse, or the row max m where lse_lo is log l
+  const T* lse_lo;                  // (B, H, Lq) or null: see exact_large_lse
   const T* delta;                   // (B, H, Lq)
   T* dq;                            // (B, H, Lq, D) accumulator, zeroed
   T* dmask;                         // (B, H, Lq, Lk) or null
@@ -428,13 +429,28 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     }
   }
 
-  // P^T = exp(S^T - lse)   (lse = +inf on empty rows gives 0)
+  // P^T = exp(S^T - lse)   (lse = +inf on empty rows gives 0), or exp((S^T - m) - log l)
   const T* lse = x.lse + bh * Lq + i0;
-  for (int64_t c = 0; c < bn; ++c) {
-    T* row = st + c * BM;
-    int64_t r = 0;
-    for (; r + W <= bm; r += W) vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r)).store(row + r);
-    if (r < bm) vexp(Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r)).store(row + r, bm - r);
+  if (x.lse_lo) {
+    const T* lo = x.lse_lo + bh * Lq + i0;
+    for (int64_t c = 0; c < bn; ++c) {
+      T* row = st + c * BM;
+      int64_t r = 0;
+      for (; r + W <= bm; r += W) {
+        vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r) - Vec<T>::loadu(lo + r)).store(row + r);
+      }
+      if (r < bm) {
+        const int64_t n = bm - r;
+        vexp(Vec<T>::loadu(row + r, n) - Vec<T>::loadu(lse + r, n) - Vec<T>::loadu(lo + r, n)).store(row + r, n);
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < bn; ++c) {
+      T* row = st + c * BM;
+      int64_t r = 0;
+      for (; r + W <= bm; r += W) vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r)).store(row + r);
+      if (r < bm) vexp(Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r)).store(row + r, bm - r);
+    }
   }
   if (std::any_of(lse, lse + bm, [](T v) { return std::isnan(v); })) {  // the rows NaN in forward
     for (int64_t c = 0; c < bn; ++c) {
@@ -561,6 +577,67 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
   });
 }
 
+// The backward recomputes P = exp(S - lse), and a float32 lse = m + log l keeps log l only
+// to within half an ulp of m: for a row whose scores are all near -1e9 (a finite mask such as
+// -1e9 or finfo.min over every key) log l is lost entirely (ulp(1e9) = 64) and every P comes
+// out 1 instead of 1/l, multiplying the row's gradients by l. Rows with |lse| > kExactLse
+// (where the relative error of P, up to |lse| 2^-24, would pass 2^-16) get their max m and
+// sum l recomputed here from their scores, one dot product per visible key, and the
+// backward takes P = exp((S - m) - log l): S - m is exact near the max. Returns the per-row
+// log l (0 elsewhere) and overwrites lse[row] with m, or returns an undefined tensor when
+// no row qualifies (the common case: scores of order one, a scan of lse).
+constexpr double kExactLse = 256.0;
+
+// A score as gemm_nn forms it, so that S - m is the same here and in bwd_tile: one product
+// after the other in the order of d (a chain of FMAs in the brgemm for float32, separate
+// multiplies and adds in the float64 loop nest).
+template <typename T>
+inline T gemm_dot(const T* x, const T* y, int64_t n) {
+  T acc = T(0);
+  for (int64_t d = 0; d < n; ++d) {
+    if constexpr (std::is_same_v<T, float>) {
+      acc = std::fma(x[d], y[d], acc);
+    } else {
+      acc += x[d] * y[d];
+    }
+  }
+  return acc;
+}
+
+template <typename T>
+at::Tensor exact_large_lse(const AttnParams& p, const Rows<const T>& q, const Rows<const T>& k, at::Tensor& lse) {
+  const int64_t rows = lse.numel();
+  const T* l_data = lse.data_ptr<T>();
+  std::vector<int64_t> large;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (std::isfinite(l_data[row]) && std::abs(l_data[row]) > T(kExactLse)) large.push_back(row);
+  }
+  if (large.empty()) return at::Tensor();
+  at::Tensor lo = at::zeros(lse.sizes(), lse.options());
+  lse = lse.clone();  // the caller's lse is the forward's saved output
+  T* hi_data = lse.data_ptr<T>();
+  T* lo_data = lo.data_ptr<T>();
+  const int64_t D = p.D;
+  at::parallel_for(0, static_cast<int64_t>(large.size()), 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> s(p.Lk), mask_row(p.Lk);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t row = large[t];
+      const int64_t b = row / (p.H * p.Lq), h = (row / p.Lq) % p.H, i = row % p.Lq, hk = h / p.group;
+      const int64_t n = p.kv_end(b, i, 1);  // key lengths and the causal diagonal
+      for (int64_t j = 0; j < n; ++j) s[j] = gemm_dot(q(b, h, i), k(b, hk, j), D) * T(p.scale);
+      if (p.mask) {
+        load_mask_row(p.mask, b, h, i, 0, n, mask_row.data());
+        apply_mask_row(p.mask, mask_row.data(), s.data(), n, 1);
+      }
+      const T m = row_max(s.data(), n);
+      if (!std::isfinite(m)) continue;  // (the lse was finite: not reached)
+      hi_data[row] = m;
+      lo_data[row] = std::log(exp_sub_sum(s.data(), n, m));
+    }
+  });
+  return lo;
+}
+
 // delta[b, h, i] = rowsum(dO * O): the softmax-Jacobian term shared by a row's tiles.
 template <typename T>
 void compute_delta(const at::Tensor& dout, const at::Tensor& out, at::Tensor& delta) {
@@ -637,7 +714,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor qn = rows_as(q, acc), kn = rows_as(k, acc), vn = rows_as(v, acc);
   const at::Tensor dout_n = rows_as(dout, acc), out_n = rows_as(out, acc);
   const at::Tensor qt = transposed_copy(q, acc), dout_t = transposed_copy(dout, acc);
-  const at::Tensor lse_c = lse.to(acc).contiguous();
+  at::Tensor lse_c = lse.to(acc).contiguous();
   at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
   // dQ accumulates in place when it is in the accumulation dtype (contiguous, zeroed)
   at::Tensor dq_acc = dq.scalar_type() == acc ? dq.zero_() : at::zeros(q.sizes(), q.options().dtype(acc));
@@ -645,6 +722,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_bwd_extension", [&] {
     using T = acc_t<scalar_t>;
     compute_delta<T>(dout_n, out_n, delta);
+    const at::Tensor lse_lo = exact_large_lse<T>(p, Rows<const T>(qn), Rows<const T>(kn), lse_c);
     const BwdOperands<T> x{Rows<const T>(qn),
                            Rows<const T>(dout_n),
                            Rows<const T>(kn),
@@ -652,6 +730,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                            qt.data_ptr<T>(),
                            dout_t.data_ptr<T>(),
                            lse_c.data_ptr<T>(),
+                           lse_lo.defined() ? lse_lo.data_ptr<T>() : nullptr,
                            delta.data_ptr<T>(),
                            dq_acc.data_ptr<T>(),
                            mask_grad ? dmask.data_ptr<T>() : nullptr};

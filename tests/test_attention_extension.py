@@ -277,6 +277,37 @@ def test_backward_schedules_match_reference(ext, schedule, kind):
     _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True))
 
 
+# Rows whose scores are all huge: a finite mask value (-1e9, finfo.min, -1e4) over every key
+# the row sees, or logits in the hundreds. The backward recomputes P from the float32 lse,
+# which cannot hold log l next to 1e9; the extension recomputes these rows' max and sum
+# (csrc/attention_cpu.cpp, exact_large_lse), where P = exp(S - lse) would be 1 instead of 1/l.
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("kind", ["none", "key_lengths+causal_bottom_right", "causal_negative"])
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -1e4, "logits"], ids=str)
+@pytest.mark.parametrize("D", [16, 64])
+def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 70, 90
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32)
+    kw = _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True)
+    mask = make_float_mask((B, H, Lq, Lk), "cpu")
+    if fill == "logits":  # |scores| of a few hundred, so |lse| > 256 on most rows
+        q = q * 400
+    else:
+        mask[:, :, ::3] = fill  # every third row sees every key through the same huge value
+        mask[:, :, 1::3, : Lk // 2] = fill  # and some rows half their keys (lse of order one)
+    kw["attn_mask"] = mask
+    # Scores near 1e4 are rounded to 1e-3 in float32 and near 1e9 to 64, differently by each
+    # GEMM: the yardstick is the reference in float64, and the extension may be off by twice
+    # as much as the reference in float32 (the low-precision rule of tests/helpers.py).
+    dout = torch.randn_like(q)
+    got = _run(_extension, q, k, v, dout, kw)
+    base = _run(reference.attention, q, k, v, dout, kw)
+    kw64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(), kw64)
+    for name, g, r, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, base, strict=True):
+        assert_close_lowp(name, g, r, b, dtype=torch.float32)
+
+
 def test_backward_schedule_env_is_validated(ext, monkeypatch):
     monkeypatch.setenv("FASTTRANS_CPU_ATTENTION_BWD", "fastest")
     q, k, v = (t.requires_grad_() for t in _qkv(1, 1, 1, 4, 4, 8, torch.float32))
