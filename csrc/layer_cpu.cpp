@@ -120,27 +120,23 @@ bool loop_weights(const at::Tensor& q, const at::Tensor& k) {
 }
 
 // out (N, H, L, D) and weights in scalar_t from q (N, H, L, D), k, v (N, H, S, D) in T with
-// unit inner strides; mask (N, H, L, S) broadcast view, bool or in T. Each step rounds as
+// unit inner strides; mask a view of an (N, H, L, S) broadcast (common.h). Each step rounds as
 // attention_weights, the matmul and the mean over heads do: scores (q . k) * scale in T, the
 // masks (-inf where masked, a float mask added), softmax in T (NaN for a row with no allowed
 // key, or with a NaN), weights rounded to scalar_t, out = weights @ v accumulated in T.
 // weights: (N, H, L, S), or with average their mean over the heads (N, L, S), summed in T.
 template <typename scalar_t, typename T>
 void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& mask, const at::Tensor& lengths, bool is_causal, T scale,
+                                  const MaskView& mask, const at::Tensor& lengths, bool is_causal, T scale,
                                   bool average, at::Tensor& out, at::Tensor& weights) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const T* qd = q.data_ptr<T>();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   const int64_t* len = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-  const bool bool_mask = mask.defined() && mask.scalar_type() == at::kBool;
-  const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
-  const T* mf = mask.defined() && !bool_mask ? mask.data_ptr<T>() : nullptr;
   scalar_t* od = out.data_ptr<scalar_t>();  // contiguous (N, H, L, D)
   scalar_t* wd = weights.data_ptr<scalar_t>();  // contiguous (N, H, L, S) or (N, L, S)
-  std::vector<T> srow(S), orow(D), wsum(average ? L * S : 0);
-  const int64_t ms3 = mask.defined() ? mask.stride(3) : 0;
+  std::vector<T> srow(S), mrow(mask ? S : 0), orow(D), wsum(average ? L * S : 0);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t visible = len ? std::clamp<int64_t>(len[n], 0, S) : S;
     std::fill(wsum.begin(), wsum.end(), T(0));
@@ -149,13 +145,13 @@ void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, cons
       const T* vh = vd + n * v.stride(0) + h * v.stride(1);
       for (int64_t l = 0; l < L; ++l) {
         const T* qr = qd + n * q.stride(0) + h * q.stride(1) + l * q.stride(2);
-        const int64_t m0 = mask.defined() ? n * mask.stride(0) + h * mask.stride(1) + l * mask.stride(2) : 0;
+        for (int64_t j = 0; j < S; ++j) srow[j] = dot(qr, kh + j * k.stride(2), D) * scale;
+        if (mask) {
+          load_mask_row(mask, n, h, l, 0, S, mrow.data());
+          apply_mask_row(mask, mrow.data(), srow.data(), S, 1);
+        }
         for (int64_t j = 0; j < S; ++j) {
-          T s = dot(qr, kh + j * k.stride(2), D) * scale;
-          if (mb && !mb[m0 + j * ms3]) s = neg_inf<T>();
-          if (mf) s += mf[m0 + j * ms3];
-          if (j >= visible || (is_causal && j > l)) s = neg_inf<T>();
-          srow[j] = s;
+          if (j >= visible || (is_causal && j > l)) srow[j] = neg_inf<T>();
         }
         const T m = row_max(srow.data(), S);
         const T inv = T(1) / exp_sub_sum(srow.data(), S, m);  // NaN when m is +-inf or NaN
@@ -197,10 +193,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_weights(const at::Tensor& q, c
     return r.stride(3) == 1 ? r : r.contiguous();
   };
   const at::Tensor qa = rows(q), ka = rows(k), va = rows(v);
-  at::Tensor m, lengths;
-  if (mask.has_value()) {
-    m = (mask->scalar_type() == at::kBool ? *mask : mask->to(acc)).expand({N, H, L, S});
-  }
+  // expand() is a view: broadcast dims are read with stride 0
+  const MaskView m = make_mask_view(mask.has_value() ? std::optional(mask->expand({N, H, L, S})) : std::nullopt);
+  at::Tensor lengths;
   if (key_lengths.has_value()) {
     lengths = key_lengths->to(at::kLong).contiguous();
   }
