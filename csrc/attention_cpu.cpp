@@ -430,28 +430,31 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   }
 
   // P^T = exp(S^T - lse)   (lse = +inf on empty rows gives 0), or exp((S^T - m) - log l)
-  // when some row of the call needed exact_large_lse (the usual loop is left as it was)
+  // when some row of the call needed exact_large_lse (a second instantiation, so that the
+  // usual loop has no extra load)
   const T* lse = x.lse + bh * Lq + i0;
-  if (x.lse_lo) {
-    const T* lo = x.lse_lo + bh * Lq + i0;
+  auto exp_tile = [&](auto with_lo) {
+    constexpr bool kLo = decltype(with_lo)::value;
+    const T* lo = kLo ? x.lse_lo + bh * Lq + i0 : nullptr;
     for (int64_t c = 0; c < bn; ++c) {
       T* row = st + c * BM;
       int64_t r = 0;
       for (; r + W <= bm; r += W) {
-        vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r) - Vec<T>::loadu(lo + r)).store(row + r);
+        Vec<T> e = Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r);
+        if constexpr (kLo) e = e - Vec<T>::loadu(lo + r);
+        vexp(e).store(row + r);
       }
       if (r < bm) {
-        const int64_t n = bm - r;
-        vexp(Vec<T>::loadu(row + r, n) - Vec<T>::loadu(lse + r, n) - Vec<T>::loadu(lo + r, n)).store(row + r, n);
+        Vec<T> e = Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r);
+        if constexpr (kLo) e = e - Vec<T>::loadu(lo + r, bm - r);
+        vexp(e).store(row + r, bm - r);
       }
     }
+  };
+  if (x.lse_lo) {
+    exp_tile(std::true_type{});
   } else {
-    for (int64_t c = 0; c < bn; ++c) {
-      T* row = st + c * BM;
-      int64_t r = 0;
-      for (; r + W <= bm; r += W) vexp(Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r)).store(row + r);
-      if (r < bm) vexp(Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r)).store(row + r, bm - r);
-    }
+    exp_tile(std::false_type{});
   }
   if (std::any_of(lse, lse + bm, [](T v) { return std::isnan(v); })) {  // the rows NaN in forward
     for (int64_t c = 0; c < bn; ++c) {
