@@ -45,6 +45,16 @@ def make_key_lengths(B: int, Lk: int, device, *, zero: bool = False) -> torch.Te
     return kl
 
 
+def cast_floating(x, dtype: torch.dtype):
+    """x (a tensor, or a tuple or dict of them, other values passed through) with its
+    floating-point tensors cast to dtype: inputs for a reference in higher precision."""
+    if isinstance(x, dict):
+        return {k: cast_floating(v, dtype) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(cast_floating(v, dtype) for v in x)
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
 def right_padded(lengths, total: int) -> torch.Tensor:
     """(N, total) bool key padding mask in torch.nn's convention (True = pad) of sequences of
     the given lengths, padded on the right."""

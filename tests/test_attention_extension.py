@@ -15,7 +15,7 @@ import fasttrans
 from fasttrans import backends, reference
 from fasttrans import functional as ftf
 
-from helpers import (assert_close_lowp, attention_keep, make_bool_mask, make_float_mask, philox4x32_10,
+from helpers import (assert_close_lowp, attention_keep, cast_floating, make_bool_mask, make_float_mask, philox4x32_10,
                      require_extension)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -90,8 +90,7 @@ def _check_against_reference(q, k, v, kw, names=("out", "dq", "dk", "dv", "dmask
         ref = _run(reference.attention, q, k, v, dout, kw)
         base = [None] * len(ref)
     else:
-        up = {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
-        ref = _run(reference.attention, q.float(), k.float(), v.float(), dout.float(), up)
+        ref = _run(reference.attention, q.float(), k.float(), v.float(), dout.float(), cast_floating(kw, torch.float32))
         base = _run(lambda *a, **w: reference.attention(*a, upcast=False, **w), q, k, v, dout, kw)
     assert len(got) == len(ref)
     for name, g, r, b in zip(names, got, ref, base):
@@ -302,8 +301,7 @@ def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
     dout = torch.randn_like(q)
     got = _run(_extension, q, k, v, dout, kw)
     base = _run(reference.attention, q, k, v, dout, kw)
-    kw64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
-    ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(), kw64)
+    ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(), cast_floating(kw, torch.float64))
     for name, g, r, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, base, strict=True):
         assert_close_lowp(name, g, r, b, dtype=torch.float32)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import fasttrans
 import fasttrans.functional as FT
 import fasttrans.nn as fnn
-from helpers import assert_close_lowp, fasttrans_ops_run, require_extension, right_padded
+from helpers import assert_close_lowp, cast_floating, fasttrans_ops_run, require_extension, right_padded
 
 OP = "fasttrans::transformer_layer_fwd_extension"
 E, H, FF = 16, 4, 24
@@ -96,15 +96,6 @@ def _fused_and_module(run, module_path, op=OP):
     return fused, plain
 
 
-def _upcast(x):
-    """x (a tensor, or a tuple or dict of them) with its floating tensors in float32."""
-    if isinstance(x, dict):
-        return {k: _upcast(v) for k, v in x.items()}
-    if isinstance(x, tuple):
-        return tuple(_upcast(v) for v in x)
-    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
 def _assert_like_torch(name, got, want, ref=None):
     """got (fasttrans) against torch.nn's regular path's want, in got's dtype; for bfloat16 by
     the project's low-precision rule against ref, torch in float32 (at most twice torch in
@@ -170,8 +161,10 @@ def test_masks_match_the_module_path_bit_for_bit_and_torch(kind, mask, dtype, mo
     # torch with gradients on: its inference fast path returns NaN everywhere for a 3-D float
     # attn_mask (torch 2.13), so the reference is its regular path
     want = _run(ref, inputs, masks).detach()
-    fp32 = _torch_fp32(ref, lambda m: _run(m, _upcast(inputs), _upcast(masks)).detach()) \
-        if dtype == torch.bfloat16 else None
+    fp32 = None
+    if dtype == torch.bfloat16:
+        up = (cast_floating(inputs, torch.float32), cast_floating(masks, torch.float32))
+        fp32 = _torch_fp32(ref, lambda m: _run(m, *up).detach())
     keep = _assert_like_torch("layer output", fused, want, fp32)
     assert keep.any() and (mask == "fully masked rows" or keep.all())
 
@@ -434,7 +427,7 @@ def test_multihead_attention_matches_the_module_path_and_torch(cross, need_weigh
     (out, weights), (out_m, weights_m) = _fused_and_module(
         lambda: _mha_run(mha, query, key, masks, need_weights), module_path, MHA_OP)
     def torch_run(module, upcast=False):  # torch's regular path (gradients on)
-        cast = _upcast if upcast else (lambda x: x)
+        cast = (lambda x: cast_floating(x, torch.float32)) if upcast else (lambda x: x)
         q, m = cast(query), cast(masks)
         return tuple(t if t is None else t.detach() for t in _mha_run(module, q, q if key is query else cast(key), m,
                                                                       need_weights))
@@ -513,7 +506,8 @@ def _weights_masks(name: str, n: int, length: int, source: int, cross: bool, dty
 
 @pytest.mark.parametrize("average", [True, False], ids=["average", "per-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cross,mask", [(c, m) for c in (False, True) for m in WEIGHTS_MASKS if not (c and m == "causal")],
+@pytest.mark.parametrize("cross,mask",
+                         [(c, m) for c in (False, True) for m in WEIGHTS_MASKS if not (c and m == "causal")],
                          ids=lambda v: {False: "self", True: "cross"}.get(v, v) if isinstance(v, bool) else v)
 @pytest.mark.parametrize("path", list(WEIGHTS_SIZES))
 def test_multihead_attention_weights_by_loops_and_by_matmuls(path, cross, mask, dtype, average, module_path):
@@ -526,7 +520,7 @@ def test_multihead_attention_weights_by_loops_and_by_matmuls(path, cross, mask, 
     masks = _weights_masks(mask, n, length, source, cross, dtype)
 
     def run(module, upcast=False):
-        cast = _upcast if upcast else (lambda x: x)
+        cast = (lambda x: cast_floating(x, torch.float32)) if upcast else (lambda x: x)
         return module(cast(query), cast(key), cast(key), need_weights=True, average_attn_weights=average,
                       **cast(masks))
 

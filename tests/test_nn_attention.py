@@ -88,7 +88,6 @@ def _seq(n_or_len, len_or_n, dim, batch_first, dtype=F64):
     return torch.randn(shape, dtype=dtype)
 
 
-
 def _masks_for(kind, Lq, Sk, dtype=F64):
     """(attn_mask, key_padding_mask) of a kind, torch.nn conventions, no fully masked row."""
     causal_bool = torch.ones(Lq, Sk, dtype=torch.bool).triu(1)

@@ -79,7 +79,6 @@ def _seq(length, batch_first, dtype=F64, batch=N):
     return torch.randn((batch, length, E) if batch_first else (length, batch, E), dtype=dtype)
 
 
-
 def _causal(length, dtype, kind):
     mask = torch.ones(length, length, dtype=torch.bool).triu(1)
     return mask if kind == "bool_causal" else torch.zeros(length, length, dtype=dtype).masked_fill(mask, float("-inf"))
