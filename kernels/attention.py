@@ -28,6 +28,15 @@ query attention, over every query head of its kv group; dQ by one program per qu
 looping over key tiles. No atomics: each output element is written by exactly one
 program, in a fixed order, so two backward passes are bit-identical.
 
+Rows of huge scores: lse = m + log(l) in one float32 loses log(l) once ulp(m) nears 1 (a
+finite mask of -1e9 on every key of a row loses it entirely, ulp(1e9) = 64), and P = exp(S -
+lse) would sum to l instead of 1. The exact-rows kernel recomputes m and l of the rows with
+|lse| > EXACT_LSE (a block without such a row only reads its lse) and hands the dQ and dK/dV
+kernels hi = m and, in place of dO and delta, r dO and r delta with r = 1 / l, so that
+exp(S - hi) r = P enters every product with their loops unchanged. Every other row gets hi =
+lse and r = 1 from the preprocess kernel: the same bits as without the recomputation. A
+kernel of its own keeps the preprocess kernel's registers (and occupancy) where they were.
+
 Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
 extension backends drop the same scores for a seed. It is a pure function of the position,
@@ -76,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import os
 
 import torch
@@ -102,6 +112,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x
 # become an infinite score, masking for good what the other backends weigh.
 MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
+EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recomputed (see above)
 
 
 def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> triton.Config:
@@ -247,6 +258,8 @@ FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run
 del _BOTH
 # delta = rowsum(dO * O): one configuration per head-dim class, 8K elements per operand tile
 BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 256: _cfg(32, None, 4, 1)}
+# the statistics of rows of huge scores (rare: a block without one only reads its lse); not tuned
+BWD_EXACT_ROWS_CONFIGS = {64: _cfg(32, 16, 4, 1), 128: _cfg(16, 16, 4, 1), 256: _cfg(16, 16, 4, 1)}
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
 
 # The interpreter (TRITON_INTERPRET=1, CPU) runs one fixed small configuration: tiles small
@@ -256,6 +269,7 @@ INTERPRETER_CONFIGS = {
     "dkdv": _cfg(16, 32, 4, 1),
     "dq": _cfg(32, 16, 4, 1),
     "preprocess": _cfg(32, None, 4, 1),
+    "exact_rows": _cfg(32, 16, 4, 1),
     "dropout_mask": _cfg(64, 128, 4, 1),  # large: the interpreter's cost is per tile operation
 }
 
@@ -393,6 +407,17 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
+def _online_softmax_step(s, l_i, m_i):
+    """One key tile of the online softmax: (P, the rescale of the old sums, new l, new m)."""
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+    # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _attention_fwd_inner(
     acc, l_i, m_i,  # running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
     q,  # (BLOCK_M, BLOCK_D) query tile
@@ -421,12 +446,7 @@ def _attention_fwd_inner(
         s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
                            qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
                            ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
-        # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
@@ -529,7 +549,9 @@ def _attention_fwd_kernel(
 @triton.jit
 def _attention_bwd_preprocess_kernel(
     Out, DO,  # (B, H, Lq, D) forward output and its gradient, stride(-1) == 1
-    Delta,  # (B, H, Lq) fp32 rowsum(dO * O), contiguous, written
+    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
+    DOr,  # (B, H, Lq, D) contiguous, written: dO (r dO once the exact-rows kernel has run)
+    Hi, Delta,  # (B, H, Lq) fp32, contiguous, written: lse in log2 units, rowsum(dO * O)
     stride_o_b, stride_o_h, stride_o_m,
     stride_do_b, stride_do_h, stride_do_m,
     H, Lq,
@@ -538,17 +560,115 @@ def _attention_bwd_preprocess_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = start_m + rows < Lq
     d_ok = offs_d < HEAD_DIM
     start_m64 = tl.cast(start_m, tl.int64)
     o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
-                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, HEAD_DIM != BLOCK_D)
+                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
-                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, HEAD_DIM != BLOCK_D)
+                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * H + off_h) * Lq + start_m + rows, delta, mask=row_ok)
+    row_start = (off_b * H + off_h) * Lq + start_m64
+    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, row_ok, d_ok, MASK_D)
+    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
+    tl.store(Hi + row_start + rows, lse * LOG2E, mask=row_ok)
+    tl.store(Delta + row_start + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _store_rows(ptrs, x, row_ok, d_ok, MASK_D: tl.constexpr):
+    if MASK_D:
+        tl.store(ptrs, x, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+
+
+@triton.jit
+def _attention_row_stats(
+    q, K_head, Mask_rows, offs_m, row_ok, d_ok,  # as in the forward
+    hi, kv_len, causal_offset, qk_scale, stride_k_n, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Row sums l and maxima m (log2 units) of a query tile's scores over keys [0, hi): the
+    forward's statistics, from the same _masked_scores the forward and the dQ kernel use."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_M)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        start_n64 = tl.cast(start_n, tl.int64)
+        cols = start_n + offs_n
+        col_ok = cols < kv_len
+        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
+                       col_ok, d_ok, True, MASK_D)
+        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
+                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
+                           True, DOT_FP32, INPUT_PRECISION)
+        _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i)
+    return l_i, m_i
+
+
+@triton.jit
+def _attention_bwd_exact_rows_kernel(
+    Q,  # (B, H, Lq, D) queries, stride(-1) == 1
+    K,  # (B, Hkv, Lk, D) keys, stride(-1) == 1
+    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
+    Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    KeyLengths,  # (B,) int32, or unused
+    DOr,  # (B, H, Lq, D) contiguous: the preprocess kernel's dO, scaled in place on rows of huge scores
+    Hi, Delta,  # (B, H, Lq) fp32, contiguous: the preprocess kernel's, rewritten on those rows
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, causal_offset, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """The module docstring's rows of huge scores: hi = m, r dO and r delta with r = 1 / l.
+    A block without such a row only reads its lse."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows
+    row_ok = offs_m < Lq
+    row_start = (off_b * H + off_h) * Lq + tl.cast(start_m, tl.int64)
+    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
+    exact = (tl.abs(lse) > EXACT_LSE) & (tl.abs(lse) < float("inf"))
+    if tl.max(exact.to(tl.int32), 0) != 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        start_m64 = tl.cast(start_m, tl.int64)
+        kv_len = Lk
+        if HAS_KEY_LENGTHS:
+            kv_len = tl.load(KeyLengths + off_b)
+        key_end = kv_len  # the keys the forward visited for this block
+        if IS_CAUSAL:
+            key_end = tl.minimum(key_end, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
+        q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
+                       + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        l_x, m_x = _attention_row_stats(
+            q, K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h,
+            Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
+            offs_m, row_ok, d_ok, tl.maximum(key_end, 0), kv_len, causal_offset, scale * LOG2E, stride_k_n,
+            stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32,
+            INPUT_PRECISION,
+        )
+        r = 1.0 / tl.where(exact, l_x, 1.0)  # l >= 1 on these rows: the maximum's own exp(0)
+        todo = row_ok & exact
+        dor_ptrs = DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        do = _load_tile(dor_ptrs, todo, d_ok, True, MASK_D)
+        _store_rows(dor_ptrs, (do.to(tl.float32) * r[:, None]).to(do.dtype), todo, d_ok, MASK_D)
+        delta = tl.load(Delta + row_start + rows, mask=todo, other=0.0)
+        tl.store(Delta + row_start + rows, delta * r, mask=todo)
+        tl.store(Hi + row_start + rows, m_x, mask=todo)
 
 
 @triton.jit
@@ -557,7 +677,7 @@ def _attention_bwd_dkdv_inner(
     k, v,  # (BLOCK_N, BLOCK_D) key/value tile
     Q_b, DO_b,  # this batch's queries and output gradients at (head 0, row 0)
     Mask_b,  # the dense mask at (batch, head 0, row 0, first key of the tile)
-    Lse_b, Delta_b,  # this batch's (H, Lq) lse and delta
+    Hi_b, Delta_b,  # this batch's (H, Lq) hi and r delta (see the module docstring)
     cols, col_ok, d_ok,  # key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
     off_b,  # batch (the dropout mask's counter)
     head0, GROUP, lo, num_tiles,  # query heads head0 .. head0 + GROUP - 1, each over num_tiles tiles from lo
@@ -589,8 +709,8 @@ def _attention_bwd_dkdv_inner(
         do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
                         + offs_d[None, :], row_ok, d_ok, True, MASK_D)
         row_base = off_h * Lq + rows  # int64 (BLOCK_M,): rows of this batch's (H, Lq) statistics
-        # rows past Lq read lse = +inf, hence P = 0
-        lse2 = tl.load(Lse_b + row_base, mask=row_ok, other=float("inf")) * LOG2E
+        # rows past Lq read hi = +inf, hence P = 0
+        row_hi = tl.load(Hi_b + row_base, mask=row_ok, other=float("inf"))
         delta = tl.load(Delta_b + row_base, mask=row_ok, other=0.0)
         s_t = _dot(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         s_t = s_t * qk_scale  # S^T, (BLOCK_N, BLOCK_M)
@@ -608,7 +728,7 @@ def _attention_bwd_dkdv_inner(
             s_t = tl.where(allowed, s_t, float("-inf"))
         # query rows past Lq (loaded as q = 0, do = 0) carry no weight; 0 * inf in a key would
         # otherwise make their scores NaN, and exp2(NaN - inf) NaN
-        p_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - lse2[None, :]), 0.0)
+        p_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - row_hi[None, :]), 0.0)
         if HAS_DROPOUT:
             keep_t = _dropout_keep(seed, dropout_threshold, off_b, off_h, rows[None, :], cols[:, None])
             inv_keep = 1.0 / (1.0 - dropout_p)
@@ -630,8 +750,8 @@ def _attention_bwd_dkdv_inner(
 def _attention_bwd_dkdv_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
-    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
-    Lse, Delta,  # (B, H, Lq) fp32, contiguous
+    DO,  # (B, H, Lq, D) output gradient times the row's r (module docstring), stride(-1) == 1
+    Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DK, DV,  # (B, Hkv, Lk, D) gradients, written (summed over the kv group's query heads)
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
@@ -689,17 +809,17 @@ def _attention_bwd_dkdv_kernel(
     Q_b = Q + off_b * stride_q_b
     DO_b = DO + off_b * stride_do_b
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
-    rows_b = off_b * H * Lq  # this batch's first row of lse and delta
+    rows_b = off_b * H * Lq  # this batch's first row of hi and delta
     head0 = off_hkv * GROUP
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Hi + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
         head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Lse + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
+        dk, dv, k, v, Q_b, DO_b, Mask_b, Hi + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
         head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p,
         dropout_threshold, seed,
         stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -722,7 +842,7 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_inner(
     dq,  # (BLOCK_M, BLOCK_D) fp32 accumulator
-    q, do, lse2, delta,  # query tile, its output gradient, lse (log2 units) and delta rows
+    q, do, row_hi, delta,  # query tile, its output gradient, hi and delta rows
     K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
     Mask_rows, DMask_rows,  # the dense mask / its gradient at (batch, head, first row of the tile, key 0)
     offs_m, row_ok, d_ok, off_b, off_h,
@@ -747,7 +867,7 @@ def _attention_bwd_dq_inner(
         s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
                            qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
                            ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
@@ -765,8 +885,8 @@ def _attention_bwd_dq_inner(
 def _attention_bwd_dq_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
-    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
-    Lse, Delta,  # (B, H, Lq) fp32, contiguous
+    DO,  # (B, H, Lq, D) output gradient times the row's r (module docstring), stride(-1) == 1
+    Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DQ,  # (B, H, Lq, D) gradient, written
     DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
@@ -813,7 +933,7 @@ def _attention_bwd_dq_kernel(
     do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
                     + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     row_base = (off_b * H + off_h) * Lq
-    lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+    row_hi = tl.load(Hi + row_base + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
 
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
@@ -824,14 +944,14 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     dq = _attention_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        dq, q, do, row_hi, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
         0, full_end, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
         DOT_FP32, INPUT_PRECISION,
     )
     dq = _attention_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
+        dq, q, do, row_hi, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
         full_end, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
@@ -1034,25 +1154,37 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     buckets = (_bucket(Lq), _bucket(Lk))
 
-    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    pre = INTERPRETER_CONFIGS["preprocess"] if _interpreting() else BWD_PREPROCESS_CONFIGS[
-        _head_dim_class(feats["BLOCK_D"])]
-    pre_args = (out, dout, delta, *out.stride()[:3],
-                *dout.stride()[:3], H, Lq)
+    # per row: delta, hi and dO, times r on rows of huge scores (see the module docstring)
+    hi, delta = torch.empty((2, B, H, Lq), dtype=torch.float32, device=q.device)
+    dout_r = torch.empty((B, H, Lq, D), dtype=dout.dtype, device=q.device)
+    if _interpreting():
+        pre, exact, exact_feats = INTERPRETER_CONFIGS["preprocess"], INTERPRETER_CONFIGS["exact_rows"], feats
+    else:
+        dclass, arch = _head_dim_class(feats["BLOCK_D"]), _gpu_arch(q.device)
+        pre, exact = BWD_PREPROCESS_CONFIGS[dclass], BWD_EXACT_ROWS_CONFIGS[dclass]
+        # the statistics' scores are rounded as the dQ kernel's class rounds them
+        ieee = (_precision_class(q.dtype) == "fp32"
+                and (dclass, _weight(feats["MASK_KIND"], feats["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
+        exact_feats = dict(feats, INPUT_PRECISION="ieee") if ieee else feats
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-             pre_args, dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
+             (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
+             dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
+        _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+             (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
+              H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
+             {n: v for n, v in exact_feats.items() if n in _attention_bwd_exact_rows_kernel.arg_names})
 
     common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
               int(seed), *buckets)
     for output in _dkdv_outputs(feats["BLOCK_D"]):
         _launch(
             _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-            (q, k, v, dout, lse, delta, dk, dv, mask, kl,
+            (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
              *q.stride()[:3],
              *k.stride()[:3],
              *v.stride()[:3],
-             *dout.stride()[:3],
+             *dout_r.stride()[:3],
              *dk.stride()[:3],
              *dv.stride()[:3],
              *mstride, *common),
@@ -1060,11 +1192,11 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         )
     _launch(
         _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-        (q, k, v, dout, lse, delta, dq, dmask if mask_grad else q, mask, kl,
+        (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
          *q.stride()[:3],
          *k.stride()[:3],
          *v.stride()[:3],
-         *dout.stride()[:3],
+         *dout_r.stride()[:3],
          *dq.stride()[:3],
          *mstride, *common),
         dict(feats, MASK_GRAD=bool(mask_grad)),
@@ -1090,9 +1222,9 @@ def attention_dropout_mask(q, k, dropout_p, seed):
 # Compile targets (python -m fasttrans compile-check)
 # --------------------------------------------------------------------------------------
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
-_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
-_FIXED_TYPES = {"Lse": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32", "Keep": "*u8",
-                "scale": "fp32", "dropout_p": "fp32"}
+_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
+_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
+                "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -1191,6 +1323,17 @@ def compile_targets() -> list[dict]:
     for dclass, c in BWD_PREPROCESS_CONFIGS.items():
         targets += [_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
                                     dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
+    # rare, so tensor cores are not required; fp32 in the precision of the dQ kernel's class,
+    # whose scores it recomputes, and once in single TF32
+    for arch in ("sm_80", "sm_90"):
+        for (dclass, c), weight in itertools.product(BWD_EXACT_ROWS_CONFIGS.items(), ("light", "heavy")):
+            fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
+            for dtype, precision in ((torch.float16, None), (torch.float32, fp32)):
+                targets.append(_compile_target(_attention_bwd_exact_rows_kernel, "attention_bwd_exact_rows", c,
+                                               dclass, weight, dtype, matmul=False, archs=[arch], precision=precision))
+        targets.append(_compile_target(_attention_bwd_exact_rows_kernel, "attention_bwd_exact_rows",
+                                       BWD_EXACT_ROWS_CONFIGS[64], 64, "light", torch.float32, matmul=False,
+                                       archs=[arch], precision="tf32"))
     targets.append(_compile_target(_attention_dropout_mask_kernel, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))
     return targets

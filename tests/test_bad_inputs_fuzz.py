@@ -910,15 +910,8 @@ def test_extreme_finite_scale_gives_no_nan(backend, q, k, v, scale, dtype, expec
     _compare("out", out, ref, TOL[dtype])
 
 
-_TRITON_HUGE_SCORES = pytest.mark.xfail(strict=True, reason=(
-    "the Triton backward recomputes P = exp(S - lse) with lse = m + log(l) in float32: when the scores "
-    "of a row are huge (a finite additive mask such as -1e9 on every key), log(l) is lost to rounding "
-    "(ulp(1e9) = 64), so every P of the row is exp(0) = 1 instead of 1/Lk and the gradients of q, k, v "
-    "are up to Lk times too large (F.scaled_dot_product_attention's CPU kernel has the same flaw); the "
-    "C++ extension recomputes such rows' max and sum"))
-
-
-@pytest.mark.parametrize("backend", ["extension", pytest.param("triton", marks=[needs_triton, _TRITON_HUGE_SCORES])])
+# lse = m + log(l) in one float32 loses log(l) when m is huge: both backends recompute such rows
+@pytest.mark.parametrize("backend", ["extension", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min], ids=["-1e9", "finfo.min"])
 def test_gradients_of_rows_of_huge_scores(backend, fill):
     g = torch.Generator().manual_seed(0)
