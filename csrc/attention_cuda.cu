@@ -48,8 +48,10 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // picked 64 registers for some sm_90 instantiations and spilled.
 constexpr int kMinBlocks = 2;
 constexpr int kDefaultSmem = 48 * 1024;
-// Grid cap of the delta kernel (one warp per row): larger inputs loop, grid-stride.
-constexpr int64_t kMaxDeltaBlocks = 65536;
+// Grid cap of the row kernel (one warp per row): larger inputs loop, grid-stride.
+constexpr int64_t kMaxRowBlocks = 65536;
+// |lse| past which the row kernel recomputes a row's max and sum (see attention_row_kernel).
+constexpr float kExactLse = 256.0f;
 
 // Element i of a q/k/v/dout/out-typed array as fp32, and the store back. The dtype is a
 // runtime switch (uniform across the grid) rather than a template parameter: it only touches
@@ -264,29 +266,67 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
 // --------------------------------------------------------------------------------------
 // Backward
 // --------------------------------------------------------------------------------------
-// delta[row] = sum_d dout[row, d] * out[row, d]; one warp per row, rows grid-strided.
-__global__ void __launch_bounds__(kThreads) attention_delta_kernel(const void* __restrict__ dout,
-                                                                    const void* __restrict__ out, DType t,
-                                                                    int64_t rows, int D, float* __restrict__ delta) {
-  const int lane = threadIdx.x % 32;
+// Per query row, one warp per row, rows grid-strided: delta = sum_d dout[row, d] out[row, d],
+// and the (hi, r) the dQ and dK/dV kernels take P = exp(S - hi) r with. hi = lse and r = 1,
+// except on rows with |lse| > kExactLse: lse = m + log(l) in one float32 loses log(l) once
+// ulp(m) nears 1 (a finite mask of -1e9 on every key of a row loses it entirely, and P would
+// be 1 instead of 1/l), so such a row gets hi = m and r = 1 / l, recomputed exactly as the
+// forward computed them (the same fmaf chains, key tiles and warp reductions).
+__global__ void __launch_bounds__(kThreads) attention_row_kernel(const AttentionArgs a, const void* __restrict__ dout,
+                                                                  const void* __restrict__ out,
+                                                                  const float* __restrict__ lse, int64_t rows,
+                                                                  float* __restrict__ delta, float* __restrict__ hi,
+                                                                  float* __restrict__ r) {
+  const int D = static_cast<int>(a.D), lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  // the loop condition is uniform across a warp: whole warps run the shuffles together
+  // the loop condition, and so every branch on the row, is uniform across a warp: whole warps
+  // run the shuffles together
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows; row += stride) {
     float s = 0.0f;
-    for (int d = lane; d < D; d += 32) s = fmaf(load_float(dout, row * D + d, t), load_float(out, row * D + d, t), s);
+    for (int d = lane; d < D; d += 32)
+      s = fmaf(load_float(dout, row * D + d, a.dtype), load_float(out, row * D + d, a.dtype), s);
     s = warp_sum(s);
-    if (lane == 0) delta[row] = s;
+    const float row_lse = lse[row];
+    float m = row_lse, l = 1.0f;
+    if (fabsf(row_lse) > kExactLse && fabsf(row_lse) < INFINITY) {
+      const int64_t i = row % a.Lq, b = row / a.Lq / a.H, h = row / a.Lq % a.H, hk = h / (a.H / a.Hkv);
+      const int64_t kv_end = block_kv_end(a, kv_length(a, b), i, 1);
+      const int64_t q_base = b * a.q_sb + h * a.q_sh + i * a.q_si, k_base = b * a.k_sb + hk * a.k_sh;
+      m = -INFINITY;
+      l = 0.0f;
+      for (int64_t j0 = 0; j0 < kv_end; j0 += kTile) {
+        const int64_t j = j0 + lane;
+        float dot = 0.0f;
+        if (j < kv_end) {
+          for (int d = 0; d < D; ++d)
+            dot = fmaf(load_float(a.q, q_base + d, a.dtype), load_float(a.k, k_base + j * a.k_si + d, a.dtype), dot);
+        }
+        const float score = allowed(a, kv_end, b, h, i, j) ? dot * a.scale + mask_add(a, b, h, i, j) : -INFINITY;
+        const float m_new = nan_max(m, warp_max(score));
+        float alpha = 1.0f, p = 0.0f;
+        if (m_new != -INFINITY) {
+          alpha = expf(m - m_new);
+          p = expf(score - m_new);
+        }
+        l = l * alpha + warp_sum(p);
+        m = m_new;
+      }
+    }
+    if (lane == 0) {
+      delta[row] = s;
+      hi[row] = m;
+      r[row] = 1.0f / l;
+    }
   }
 }
 
 // dQ (and dmask): per query block, over all visible key tiles.
-//   P = exp(scale q.k + mask - lse),  dS = P (keep/(1-p) dO.v - delta),  dQ = scale sum_j dS_j k_j
+//   P = exp(scale q.k + mask - hi) r,  dS = P (keep/(1-p) dO.v - delta),  dQ = scale sum_j dS_j k_j
 // dS is 0 where the key is hidden (the reference's masked_fill passes no gradient there).
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(const AttentionArgs a,
                                                                                  const void* __restrict__ dout,
-                                                                                 const float* __restrict__ lse,
-                                                                                 const float* __restrict__ delta,
+                                                                                 const float* __restrict__ stats,
                                                                                  void* __restrict__ dq,
                                                                                  float* __restrict__ dmask) {
   extern __shared__ float smem[];
@@ -305,11 +345,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
   stage_rows(q_s, D, a.q, a.dtype, b * a.q_sb + h * a.q_sh, a.q_si, i0, kBlockRows, a.Lq, D);
   stage_rows(do_s, D, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i0, kBlockRows, a.Lq, D);
 
-  float row_lse[kPerWarp], row_delta[kPerWarp], acc[kPerWarp][DPL];
+  const int64_t n = a.B * a.H * a.Lq;
+  const float *delta = stats, *hi = stats + n, *rr = stats + 2 * n;  // see attention_row_kernel
+  float row_hi[kPerWarp], row_r[kPerWarp], row_delta[kPerWarp], acc[kPerWarp][DPL];
 #pragma unroll
   for (int r = 0; r < kPerWarp; ++r) {
     const int64_t i = i0 + warp * kPerWarp + r;
-    row_lse[r] = i < a.Lq ? lse[bh * a.Lq + i] : INFINITY;
+    row_hi[r] = i < a.Lq ? hi[bh * a.Lq + i] : INFINITY;
+    row_r[r] = i < a.Lq ? rr[bh * a.Lq + i] : 0.0f;
     row_delta[r] = i < a.Lq ? delta[bh * a.Lq + i] : 0.0f;
 #pragma unroll
     for (int t = 0; t < DPL; ++t) acc[r][t] = 0.0f;
@@ -341,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
       ds[r] = 0.0f;
       if (allowed(a, kv_end, b, h, i, j)) {
         // expf(x - NaN) is NaN: the rows NaN in the forward (lse NaN) get NaN gradients
-        const float p = expf(s[r] * a.scale + mask_add(a, b, h, i, j) - row_lse[r]);
+        const float p = expf(s[r] * a.scale + mask_add(a, b, h, i, j) - row_hi[r]) * row_r[r];
         ds[r] = p * (dp[r] * dropout_factor(a, b, h, i, j) - row_delta[r]);
         if (dmask != nullptr) dmask[(bh * a.Lq + i) * a.Lk + j] = ds[r];
       }
@@ -365,13 +408,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
 
 // dK, dV: per block of 16 keys of one kv head, over its query heads and visible query tiles.
 //   dV_j = sum_i P_ij keep/(1-p) dO_i,   dK_j = scale sum_i dS_ij q_i
-// As in the reference, P is exp(-inf - lse) where the key is hidden: 0, or NaN on a row NaN
+// As in the reference, P is exp(-inf - hi) r where the key is hidden: 0, or NaN on a row NaN
 // in the forward (lse NaN); dS is 0 there.
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kernel(const AttentionArgs a,
                                                                                    const void* __restrict__ dout,
-                                                                                   const float* __restrict__ lse,
-                                                                                   const float* __restrict__ delta,
+                                                                                   const float* __restrict__ stats,
                                                                                    void* __restrict__ dk,
                                                                                    void* __restrict__ dv) {
   extern __shared__ float smem[];
@@ -380,8 +422,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
   float* v_s = k_s + kBlockRows * D;      // [kBlockRows][D]
   float* q_s = v_s + kBlockRows * D;      // [kTile][D + 1]: lane i reads row i
   float* do_s = q_s + kTile * ld;         // [kTile][D + 1]
-  float* lse_s = do_s + kTile * ld;       // [kTile]
-  float* delta_s = lse_s + kTile;         // [kTile]
+  float* hi_s = do_s + kTile * ld;        // [kTile]
+  float* r_s = hi_s + kTile;              // [kTile]
+  float* delta_s = r_s + kTile;           // [kTile]
+  const int64_t n = a.B * a.H * a.Lq;
+  const float *delta = stats, *hi = stats + n, *rr = stats + 2 * n;  // see attention_row_kernel
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t b = blockIdx.z, hk = blockIdx.y, group = a.H / a.Hkv;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kBlockRows;
@@ -412,7 +457,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
       stage_rows(do_s, ld, dout, a.dtype, bh * a.Lq * D, static_cast<int64_t>(D), i1, kTile, a.Lq, D);
       if (threadIdx.x < kTile) {
         const int64_t i = i1 + threadIdx.x;
-        lse_s[threadIdx.x] = i < a.Lq ? lse[bh * a.Lq + i] : INFINITY;
+        hi_s[threadIdx.x] = i < a.Lq ? hi[bh * a.Lq + i] : INFINITY;
+        r_s[threadIdx.x] = i < a.Lq ? rr[bh * a.Lq + i] : 0.0f;
         delta_s[threadIdx.x] = i < a.Lq ? delta[bh * a.Lq + i] : 0.0f;
       }
       __syncthreads();
@@ -435,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
       for (int r = 0; r < kPerWarp; ++r) {
         const int64_t j = j0 + warp * kPerWarp + r;
         const bool ok = allowed(a, kv_len, b, h, i, j);
-        const float p = expf((ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY) - lse_s[lane]);
+        const float p = expf((ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY) - hi_s[lane]) * r_s[lane];
         pd[r] = p;
         ds[r] = 0.0f;
         if (ok) {
@@ -530,7 +576,7 @@ const char* check_grid(const AttentionArgs& a, int64_t blocks_x) {
 
 size_t fwd_smem(int64_t D) { return sizeof(float) * (kBlockRows * D + 2 * kTile * (D + 1)); }
 size_t dq_smem(int64_t D) { return sizeof(float) * (2 * kBlockRows * D + 2 * kTile * (D + 1)); }
-size_t dkdv_smem(int64_t D) { return sizeof(float) * (2 * kBlockRows * D + 2 * kTile * (D + 1) + 2 * kTile); }
+size_t dkdv_smem(int64_t D) { return sizeof(float) * (2 * kBlockRows * D + 2 * kTile * (D + 1) + 3 * kTile); }
 
 template <int DPL>
 const char* fwd_launch(const AttentionArgs& a, void* out, float* lse, cudaStream_t stream) {
@@ -543,20 +589,20 @@ const char* fwd_launch(const AttentionArgs& a, void* out, float* lse, cudaStream
 }
 
 template <int DPL>
-const char* bwd_launch(const AttentionArgs& a, const void* dout, const void* out, const float* lse, float* delta,
+const char* bwd_launch(const AttentionArgs& a, const void* dout, const void* out, const float* lse, float* stats,
                        void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream) {
   const int64_t rows = a.B * a.H * a.Lq;
   const int64_t q_blocks = (a.Lq + kBlockRows - 1) / kBlockRows, k_blocks = (a.Lk + kBlockRows - 1) / kBlockRows;
   if (const char* e = check_grid(a, q_blocks > k_blocks ? q_blocks : k_blocks)) return e;
   if (rows > 0) {  // with no query rows only the dK/dV kernel runs: it writes their zeros
-    const int64_t delta_blocks = (rows + kWarps - 1) / kWarps;  // rows beyond the grid loop
-    attention_delta_kernel<<<static_cast<unsigned>(delta_blocks < kMaxDeltaBlocks ? delta_blocks : kMaxDeltaBlocks),
-                             kThreads, 0, stream>>>(dout, out, a.dtype, rows, static_cast<int>(a.D), delta);
+    const int64_t row_blocks = (rows + kWarps - 1) / kWarps;  // rows beyond the grid loop
+    attention_row_kernel<<<static_cast<unsigned>(row_blocks < kMaxRowBlocks ? row_blocks : kMaxRowBlocks), kThreads, 0,
+                           stream>>>(a, dout, out, lse, rows, stats, stats + rows, stats + 2 * rows);
     if (const char* e = last_error()) return e;
 
     const size_t smem_q = dq_smem(a.D);
     if (const char* e = allow_smem(attention_bwd_dq_kernel<DPL>, smem_q, a.D)) return e;
-    attention_bwd_dq_kernel<DPL><<<dim3(q_blocks, a.H, a.B), kThreads, smem_q, stream>>>(a, dout, lse, delta, dq,
+    attention_bwd_dq_kernel<DPL><<<dim3(q_blocks, a.H, a.B), kThreads, smem_q, stream>>>(a, dout, stats, dq,
                                                                                           dmask);
     if (const char* e = last_error()) return e;
   }
@@ -564,7 +610,7 @@ const char* bwd_launch(const AttentionArgs& a, const void* dout, const void* out
   if (a.Lk == 0) return nullptr;
   const size_t smem_k = dkdv_smem(a.D);
   if (const char* e = allow_smem(attention_bwd_dkdv_kernel<DPL>, smem_k, a.D)) return e;
-  attention_bwd_dkdv_kernel<DPL><<<dim3(k_blocks, a.Hkv, a.B), kThreads, smem_k, stream>>>(a, dout, lse, delta, dk, dv);
+  attention_bwd_dkdv_kernel<DPL><<<dim3(k_blocks, a.Hkv, a.B), kThreads, smem_k, stream>>>(a, dout, stats, dk, dv);
   return last_error();
 }
 
@@ -581,13 +627,13 @@ const char* attention_fwd_cuda(const AttentionArgs& a, void* out, float* lse, cu
 }
 
 const char* attention_bwd_cuda(const AttentionArgs& a, const void* dout, const void* out, const float* lse,
-                               float* delta, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream) {
+                               float* stats, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream) {
   if (a.B == 0 || a.D == 0) return nullptr;  // no output elements
   // H == 0 or Lq == 0 still launches the dK/dV kernel: dK and dV are 0, not uninitialised
-  if (a.D <= 32) return bwd_launch<1>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
-  if (a.D <= 64) return bwd_launch<2>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
-  if (a.D <= 128) return bwd_launch<4>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
-  if (a.D <= 256) return bwd_launch<8>(a, dout, out, lse, delta, dq, dk, dv, dmask, stream);
+  if (a.D <= 32) return bwd_launch<1>(a, dout, out, lse, stats, dq, dk, dv, dmask, stream);
+  if (a.D <= 64) return bwd_launch<2>(a, dout, out, lse, stats, dq, dk, dv, dmask, stream);
+  if (a.D <= 128) return bwd_launch<4>(a, dout, out, lse, stats, dq, dk, dv, dmask, stream);
+  if (a.D <= 256) return bwd_launch<8>(a, dout, out, lse, stats, dq, dk, dv, dmask, stream);
   return "attention_cuda: head dim must be in [1, 256]";
 }
 

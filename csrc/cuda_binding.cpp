@@ -178,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor out_c = out.to(q.scalar_type()).contiguous();
   const at::Tensor lse_c = lse.to(at::kFloat).contiguous();
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
-  at::Tensor delta = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  at::Tensor stats = at::empty({3, B, H, Lq}, q.options().dtype(at::kFloat));
   // every element is written by the kernels, dK and dV also when there are no query rows
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -186,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   at::Tensor dmask = mask_grad ? at::zeros({B, H, Lq, Lk}, q.options().dtype(at::kFloat))
                                : at::empty({0}, q.options().dtype(at::kFloat));
   check_launch(kern::attention_bwd_cuda(in.args, dout_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr<float>(),
-                                        delta.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                        stats.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                         mask_grad ? dmask.data_ptr<float>() : nullptr,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                "attention_bwd_extension");

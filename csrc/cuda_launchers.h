@@ -42,12 +42,12 @@ struct AttentionArgs {
 // out (B, H, Lq, D) contiguous in args.dtype; lse (B, H, Lq) fp32.
 const char* attention_fwd_cuda(const AttentionArgs& args, void* out, float* lse, cudaStream_t stream);
 
-// dout, out (B, H, Lq, D) contiguous in args.dtype; lse (B, H, Lq) fp32; delta a (B, H, Lq)
-// fp32 workspace; dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, D) contiguous in args.dtype, every
-// element written (dk, dv are zeros when H or Lq is 0); dmask (B, H, Lq, Lk) fp32,
-// zero-filled by the caller, or null.
+// dout, out (B, H, Lq, D) contiguous in args.dtype; lse (B, H, Lq) fp32; stats a (3, B, H, Lq)
+// fp32 workspace (each row's delta and softmax statistics); dq (B, H, Lq, D), dk, dv (B, Hkv,
+// Lk, D) contiguous in args.dtype, every element written (dk, dv are zeros when H or Lq is
+// 0); dmask (B, H, Lq, Lk) fp32, zero-filled by the caller, or null.
 const char* attention_bwd_cuda(const AttentionArgs& args, const void* dout, const void* out, const float* lse,
-                               float* delta, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream);
+                               float* stats, void* dq, void* dk, void* dv, float* dmask, cudaStream_t stream);
 
 // keep (B, H, Lq, Lk) bool, contiguous.
 const char* attention_dropout_mask_cuda(int64_t B, int64_t H, int64_t Lq, int64_t Lk, uint64_t seed,

@@ -15,7 +15,7 @@ using fasttrans::dropout_keep;
 // nan: 0 none; 1 NaN in q row (0, H-1, Lq/2) (and (B-1, 0, 0)); 2 NaN in float-mask elements
 // (one visible, one hidden by causality / key_lengths if any), and a float-mask row of -inf
 // with a NaN key the row sees; 3 NaN keys at hidden positions only (bool-masked column 5,
-// past key_lengths, above the causal diagonal)
+// past key_lengths, above the causal diagonal); 4 (no NaN) rows of huge scores, float mask only
 struct Cfg { int B, H, Hkv, Lq, Lk, D; int mask; /*0 none 1 bool 2 float*/ int mbcast; bool kl; bool causal; long off; double p; int nan = 0; DType dtype = DType::kFloat32; };
 
 // q, k, v, dout and the outputs in the kernels' dtype. The harness keeps every value as a
@@ -46,10 +46,10 @@ struct Stored {
 
 // The forward and backward launchers of csrc/cuda_launchers.h, as the extension's binding
 // calls them (grids, shared-memory sizes and opt-ins are theirs).
-void run_launchers(const AttentionArgs& a, void* out, float* lse, const void* dout, float* delta, void* dq, void* dk,
+void run_launchers(const AttentionArgs& a, void* out, float* lse, const void* dout, float* stats, void* dq, void* dk,
                    void* dv, float* dmask) {
   const char* e = attention_fwd_cuda(a, out, lse, nullptr);
-  if (!e) e = attention_bwd_cuda(a, dout, out, lse, delta, dq, dk, dv, dmask, nullptr);
+  if (!e) e = attention_bwd_cuda(a, dout, out, lse, stats, dq, dk, dv, dmask, nullptr);
   if (e) {
     printf("launcher error: %s\n", e);
     std::exit(1);
@@ -137,16 +137,26 @@ int check(const Cfg& c, uint64_t seed_) {
     if (c.causal) for (int j = std::max<long>(0, Lq + c.off); j < Lk; ++j) for (int b = 0; b < B; ++b) for (int hk = 0; hk < Hkv; ++hk) K(b, hk, j, D - 1) = NAN;
   }
 
+  if (c.nan == 4) {
+    // rows of huge scores: every key through the same finite mask value, -1e9 (rows 3n) or
+    // -1e4 (rows 3n + 2), with q = 0 so that float32 holds each score exactly; P is uniform
+    for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) for (int i = 0; i < Lq; ++i) {
+      if (i % 3 == 1) continue;
+      for (int j = 0; j < Lk; ++j) fm[moff(b, h, i, j)] = i % 3 == 0 ? -1e9f : -1e4f;
+      for (int d = 0; d < D; ++d) q[b * q_sb + h * q_sh + i * q_si + d] = 0.0f;
+    }
+  }
+
   std::vector<float> dout(std::max<size_t>((size_t)B * H * Lq * D, 1)); for (auto& x : dout) x = nd(rng);
   Stored q_s(q, c.dtype, true), k_s(k, c.dtype, true), v_s(v, c.dtype, true), dout_s(dout, c.dtype, true);
   a.q = q_s.data(); a.k = k_s.data(); a.v = v_s.data();
-  std::vector<float> out(dout.size(), NAN), lse(std::max<size_t>((size_t)B * H * Lq, 1), NAN), delta(lse.size(), NAN), dq(dout.size(), NAN);
+  std::vector<float> out(dout.size(), NAN), lse(std::max<size_t>((size_t)B * H * Lq, 1), NAN), stats(3 * lse.size(), NAN), dq(dout.size(), NAN);
   std::vector<float> dk(std::max<size_t>((size_t)B * Hkv * Lk * D, 1), NAN), dv(dk.size(), NAN);
   std::vector<float> dmask(std::max<size_t>((size_t)B * H * Lq * Lk, 1), 0.0f);
   bool want_dmask = c.mask == 2;
   Stored out_s(out, c.dtype, false), dq_s(dq, c.dtype, false), dk_s(dk, c.dtype, false), dv_s(dv, c.dtype, false);
   float* dm = want_dmask ? dmask.data() : nullptr;
-  run_launchers(a, out_s.data(), lse.data(), dout_s.data(), delta.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
+  run_launchers(a, out_s.data(), lse.data(), dout_s.data(), stats.data(), dq_s.data(), dk_s.data(), dv_s.data(), dm);
   for (Stored* o : {&out_s, &dq_s, &dk_s, &dv_s}) if (c.dtype != DType::kFloat32) o->to_floats();
 
   // ---- reference in double: fasttrans.reference.attention_with_lse and its autograd, step by step
@@ -260,13 +270,13 @@ int check(const Cfg& c, uint64_t seed_) {
 // the output is v. A q scaled before the dot product overflows ((2e38 q).k = inf - 2e38).
 int check_huge_scale() {
   std::vector<float> q = {1.0f, 1.0f}, k = {2.0f, -1.0f}, v = {3.0f, 4.0f}, dout = {1.0f, 1.0f};
-  std::vector<float> out(2, NAN), lse(1, NAN), delta(1, NAN), dq(2, NAN), dk(2, NAN), dv(2, NAN);
+  std::vector<float> out(2, NAN), lse(1, NAN), stats(3, NAN), dq(2, NAN), dk(2, NAN), dv(2, NAN);
   AttentionArgs a{};
   a.B = a.H = a.Hkv = a.Lq = a.Lk = 1; a.D = 2; a.dtype = DType::kFloat32;
   a.q = q.data(); a.k = k.data(); a.v = v.data();
   a.q_sb = a.q_sh = a.q_si = 2; a.k_sb = a.k_sh = a.k_si = 2; a.v_sb = a.v_sh = a.v_si = 2;
   a.mask_type = MaskType::kNone; a.scale = 2e38f; a.dropout_scale = 1.0f;
-  run_launchers(a, out.data(), lse.data(), dout.data(), delta.data(), dq.data(), dk.data(), dv.data(), nullptr);
+  run_launchers(a, out.data(), lse.data(), dout.data(), stats.data(), dq.data(), dk.data(), dv.data(), nullptr);
   // one key: P = 1, so out = v, dv = dout and dS = P (dP - delta) = 0, hence dq = dk = 0
   const bool ok = out[0] == 3.0f && out[1] == 4.0f && dv[0] == 1.0f && dv[1] == 1.0f && dq[0] == 0.0f &&
                   dq[1] == 0.0f && dk[0] == 0.0f && dk[1] == 0.0f;
@@ -311,6 +321,10 @@ int main(int argc, char** argv) {
     {2, 2, 1, 33, 70, 100, 2, 2, true, true, 37, 0.25, 0, DType::kBFloat16},
     {1, 8, 2, 1, 77, 64, 2, 2, true, true, 76, 0.2, 0, DType::kFloat16},
     {2, 4, 1, 40, 45, 48, 1, 0, true, false, 0, 0.1, 0, DType::kFloat16},
+    // rows of huge scores (a finite mask of -1e9 or -1e4 on every key): exact statistics
+    {2, 4, 2, 37, 45, 16, 2, 0, true, true, 8, 0.0, 4},
+    {1, 2, 1, 40, 70, 64, 2, 0, false, false, 0, 0.2, 4},
+    {2, 2, 1, 20, 33, 32, 2, 0, true, false, 0, 0.0, 4, DType::kFloat16},
   };
   int bad = 0;
   int first = argc > 1 ? atoi(argv[1]) : 0, last = argc > 2 ? atoi(argv[2]) : (int)cfgs.size();
