@@ -279,16 +279,17 @@ def test_backward_schedules_match_reference(ext, schedule, kind):
 # Rows whose scores are all huge: a finite mask value (-1e9, finfo.min, -1e4) over every key
 # the row sees, or logits in the hundreds. The backward recomputes P from the float32 lse,
 # which cannot hold log l next to 1e9; the extension recomputes these rows' max and sum
-# (csrc/attention_cpu.cpp, exact_large_lse), where P = exp(S - lse) would be 1 instead of 1/l.
-@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
-@pytest.mark.parametrize("kind", ["none", "key_lengths+causal_bottom_right", "causal_negative"])
-@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -1e4, "logits"], ids=str)
-@pytest.mark.parametrize("D", [16, 64])
-def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
+# (csrc/attention_cpu.cpp, exact_large_lse; csrc/attention_cuda.cu, attention_row_kernel),
+# where P = exp(S - lse) would be 1 instead of 1/l.
+HUGE_FILLS = [-1e9, torch.finfo(torch.float32).min, -1e4, "logits"]
+HUGE_KINDS = ["none", "key_lengths+causal_bottom_right", "causal_negative"]
+
+
+def _check_huge_scores(kind, fill, D, device):
     B, H, Hkv, Lq, Lk = 2, 4, 2, 70, 90
-    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32)
-    kw = _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True)
-    mask = make_float_mask((B, H, Lq, Lk), "cpu")
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
+    kw = _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True)
+    mask = make_float_mask((B, H, Lq, Lk), device)
     if fill == "logits":  # |scores| of a few hundred, so |lse| > 256 on most rows
         q = q * 400
     else:
@@ -304,6 +305,22 @@ def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
     ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(), cast_floating(kw, torch.float64))
     for name, g, r, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, base, strict=True):
         assert_close_lowp(name, g, r, b, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("kind", HUGE_KINDS)
+@pytest.mark.parametrize("fill", HUGE_FILLS, ids=str)
+@pytest.mark.parametrize("D", [16, 64])
+def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
+    _check_huge_scores(kind, fill, D, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", HUGE_KINDS)
+@pytest.mark.parametrize("fill", HUGE_FILLS, ids=str)
+@pytest.mark.parametrize("D", [16, 64])
+def test_rows_of_huge_scores_get_exact_gradients_on_cuda(ext, kind, fill, D):
+    _check_huge_scores(kind, fill, D, "cuda")
 
 
 def test_backward_schedule_env_is_validated(ext, monkeypatch):
