@@ -1173,7 +1173,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
               H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
-             {n: v for n, v in exact_feats.items() if n in _attention_bwd_exact_rows_kernel.arg_names})
+             {n: v for n, v in exact_feats.items() if n != "HAS_DROPOUT"})  # l is the undropped sum
 
     common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
               int(seed), *buckets)
