@@ -73,13 +73,14 @@ def _inputs(B, H, Hkv, Lq, Lk, D, device):
             torch.randn(B, Hkv, Lk, D, device=device))
 
 
-def _run(fn, q, k, v, dout, kw, cast=None):
+def _run(fn, q, k, v, dout, kw, cast=None, cast_mask=True):
     """{name: tensor}: the output and the gradients of q, k, v (and a float attn_mask) under autograd."""
     leaves = {n: (t.to(cast) if cast else t).detach().clone().requires_grad_() for n, t in zip("qkv", (q, k, v))}
     kw = dict(kw)
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
-        kw["attn_mask"] = leaves["mask"] = (mask.to(cast) if cast else mask).detach().clone().requires_grad_()
+        mask = mask.to(cast) if cast and cast_mask else mask
+        kw["attn_mask"] = leaves["mask"] = mask.detach().clone().requires_grad_()
     out = fn(leaves["q"], leaves["k"], leaves["v"], **kw)
     out.backward(dout.to(out.dtype))
     return {"out": out.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
@@ -311,6 +312,40 @@ def test_rows_of_huge_scores_get_exact_gradients(fill, kind, device):
     base = _run(reference.attention, q, k, v, dout, kw)
     for name in ref:
         assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rows_of_huge_scores_with_dropout(dtype, device):
+    """The exact statistics under dropout (which scales P after the softmax) and in fp16,
+    where r dO is rounded to the input dtype (the -1e9 mask stays float32, as it may)."""
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 23, 38, 32, 0.3
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = _masks("key_lengths+causal_br", B, H, Lq, Lk, device)
+    mask = make_float_mask((B, H, Lq, Lk), device)
+    mask[:, :, ::3] = -1e9
+    kw["attn_mask"] = mask
+    with fasttrans.use_backend("triton"):
+        torch.manual_seed(7)
+        keep = functional.attention_dropout_mask(q.to(dtype), k.to(dtype), p)
+    dout = torch.randn(q.shape, device=device)
+
+    def triton_dropout(q_, k_, v_, **kw_):
+        torch.manual_seed(7)  # the same seed draw as the keep-mask above
+        return _triton(q_, k_, v_, dropout_p=p, **kw_)
+
+    def ref_dropout(q_, k_, v_, upcast=True, **kw_):
+        return reference.attention(q_, k_, v_, dropout_p=p, dropout_mask=keep, upcast=upcast, **kw_)
+
+    got = _run(triton_dropout, q, k, v, dout, kw, cast=dtype, cast_mask=False)
+    ref = _run(ref_dropout, q, k, v, dout, kw, cast=torch.float64 if dtype == torch.float32 else torch.float32)
+    if dtype == torch.float32:  # the yardstick of test_rows_of_huge_scores_get_exact_gradients
+        base = _run(ref_dropout, q, k, v, dout, kw)
+    else:
+        base = _run(lambda *a, **w: ref_dropout(*a, upcast=False, **w), q, k, v, dout, kw, cast=dtype,
+                    cast_mask=False)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------
