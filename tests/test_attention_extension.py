@@ -285,7 +285,7 @@ HUGE_FILLS = [-1e9, torch.finfo(torch.float32).min, -1e4, "logits"]
 HUGE_KINDS = ["none", "key_lengths+causal_bottom_right", "causal_negative"]
 
 
-def _check_huge_scores(kind, fill, D, device):
+def _check_huge_scores(kind, fill, D, device, dropout_p=0.0):
     B, H, Hkv, Lq, Lk = 2, 4, 2, 70, 90
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
     kw = _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True)
@@ -296,13 +296,21 @@ def _check_huge_scores(kind, fill, D, device):
         mask[:, :, ::3] = fill  # every third row sees every key through the same huge value
         mask[:, :, 1::3, : Lk // 2] = fill  # and some rows half their keys (lse of order one)
     kw["attn_mask"] = mask
+    dout = torch.randn_like(q)
+    ref_kw = dict(kw)
+    if dropout_p:  # the reference drops what the extension's seed draw drops (its keep-mask hook)
+        torch.manual_seed(7)
+        with fasttrans.use_backend("extension"):
+            ref_kw["dropout_mask"] = ftf.attention_dropout_mask(q, k, dropout_p)
+        kw["dropout_p"] = ref_kw["dropout_p"] = dropout_p
+        torch.manual_seed(7)
     # Scores near 1e4 are rounded to 1e-3 in float32 and near 1e9 to 64, differently by each
     # GEMM: the yardstick is the reference in float64, and the extension may be off by twice
     # as much as the reference in float32 (the low-precision rule of tests/helpers.py).
-    dout = torch.randn_like(q)
     got = _run(_extension, q, k, v, dout, kw)
-    base = _run(reference.attention, q, k, v, dout, kw)
-    ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(), cast_floating(kw, torch.float64))
+    base = _run(reference.attention, q, k, v, dout, ref_kw)
+    ref = _run(reference.attention, q.double(), k.double(), v.double(), dout.double(),
+               cast_floating(ref_kw, torch.float64))
     for name, g, r, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref, base, strict=True):
         assert_close_lowp(name, g, r, b, dtype=torch.float32)
 
@@ -321,6 +329,13 @@ def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
 @pytest.mark.parametrize("D", [16, 64])
 def test_rows_of_huge_scores_get_exact_gradients_on_cuda(ext, kind, fill, D):
     _check_huge_scores(kind, fill, D, "cuda")
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_huge_scores_with_dropout(ext, schedule, device):
+    require_extension(device, "attention")
+    _check_huge_scores("key_lengths+causal_bottom_right", -1e9, 32, device, dropout_p=0.25)
 
 
 def test_backward_schedule_env_is_validated(ext, monkeypatch):
