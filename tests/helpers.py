@@ -70,6 +70,18 @@ def make_float_mask(shape, device, dtype=torch.float32, neg_inf_frac: float = 0.
     return m.masked_fill(torch.rand(shape, device=device) < neg_inf_frac, float("-inf"))
 
 
+def huge_score_rows(q: torch.Tensor, mask: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, mask) for rows whose log-sum-exp is huge, where the backward's float32 lse loses
+    log l: a finite ``fill`` (-1e9, finfo.min, -1e4) on every key of every third row, and on
+    half the keys of the next rows (lse of order one there); or, for fill "logits", scores
+    of a few hundred from q . k itself (|lse| > 256 on most rows). mask is filled in place."""
+    if fill == "logits":
+        return q * 400, mask
+    mask[:, :, ::3] = fill
+    mask[:, :, 1::3, : mask.shape[-1] // 2] = fill
+    return q, mask
+
+
 def assert_compile_targets_well_formed(targets: list[dict], num_stages: int) -> None:
     """The compile-check protocol of a kernel module's compile_targets() (elementwise kernels:
     no matmul): every key, a type for each argument in order, unique configuration names."""

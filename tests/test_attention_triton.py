@@ -22,7 +22,7 @@ import torch
 import fasttrans
 from fasttrans import backends, functional, reference
 
-from helpers import FLOOR, assert_close_lowp, attention_keep, make_bool_mask, make_float_mask
+from helpers import FLOOR, assert_close_lowp, attention_keep, huge_score_rows, make_bool_mask, make_float_mask
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
@@ -297,12 +297,7 @@ def test_rows_of_huge_scores_get_exact_gradients(fill, kind, device):
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
     kw = _masks(kind, B, H, Lq, Lk, device)
     mask = make_float_mask((B, H, Lq, Lk), device)
-    if fill == "logits":  # |scores| of a few hundred, so |lse| > 256 on most rows
-        q = q * 400
-    else:
-        mask[:, :, ::3] = fill  # every third row sees every key through the same huge value
-        mask[:, :, 1::3, : Lk // 2] = fill  # and some rows half their keys (lse of order one)
-    kw["attn_mask"] = mask
+    q, kw["attn_mask"] = huge_score_rows(q, mask, fill)
     # Scores near 1e4 are rounded to 1e-3 in float32 and near 1e9 to 64, differently by each
     # matmul: the yardstick is the reference in float64, and Triton may be off by twice as
     # much as the reference in float32 (the low-precision rule of tests/helpers.py).
