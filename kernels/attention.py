@@ -396,6 +396,26 @@ def _masked_scores(
     return s
 
 
+@triton.jit
+def _key_tile_scores(
+    q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset, qk_scale,
+    stride_k_n, stride_mask_m, stride_mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """The key tile at start_n, loaded, and the query tile's masked scores against it:
+    (scores, start_n as int64, key columns, columns < kv_len)."""
+    start_n64 = tl.cast(start_n, tl.int64)
+    cols = start_n + offs_n
+    col_ok = cols < kv_len
+    k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
+                   col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+    s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
+                       qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
+                       ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+    return s, start_n64, cols, col_ok
+
+
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -438,14 +458,11 @@ def _attention_fwd_inner(
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
-        start_n64 = tl.cast(start_n, tl.int64)
-        cols = start_n + offs_n
-        col_ok = cols < kv_len
-        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
-                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
-                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
-                           ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+        s, start_n64, cols, col_ok = _key_tile_scores(
+            q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset,
+            qk_scale, stride_k_n, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_D, MASK_KIND, IS_CAUSAL,
+            ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
+        )
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
@@ -601,14 +618,11 @@ def _attention_row_stats(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     for start_n in range(0, hi, BLOCK_N):
-        start_n64 = tl.cast(start_n, tl.int64)
-        cols = start_n + offs_n
-        col_ok = cols < kv_len
-        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
-                       col_ok, d_ok, True, MASK_D)
-        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
-                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
-                           True, DOT_FP32, INPUT_PRECISION)
+        s, _, _, _ = _key_tile_scores(
+            q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset,
+            qk_scale, stride_k_n, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_D, MASK_KIND, IS_CAUSAL,
+            True, DOT_FP32, INPUT_PRECISION,
+        )
         _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i)
     return l_i, m_i
 
@@ -857,6 +871,8 @@ def _attention_bwd_dq_inner(
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
+        # v is loaded before the scores are computed: computing them first, through
+        # _key_tile_scores, made several shipped builds spill (compile-check)
         start_n64 = tl.cast(start_n, tl.int64)
         cols = start_n + offs_n
         col_ok = cols < kv_len
