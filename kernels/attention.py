@@ -34,8 +34,9 @@ lse) would sum to l instead of 1. The exact-rows kernel recomputes m and l of th
 |lse| > EXACT_LSE (a block without such a row only reads its lse) and hands the dQ and dK/dV
 kernels hi = m and, in place of dO and delta, r dO and r delta with r = 1 / l, so that
 exp(S - hi) r = P enters every product with their loops unchanged. Every other row gets hi =
-lse and r = 1 from the preprocess kernel: the same bits as without the recomputation. A
-kernel of its own keeps the preprocess kernel's registers (and occupancy) where they were.
+lse and r = 1 from the preprocess kernel: the same bits as without the recomputation. The
+recomputation has a kernel of its own: inside the preprocess kernel it took that kernel
+from about 45 to 150-255 registers, with spills in fp32 (compile-check).
 
 Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
