@@ -398,6 +398,23 @@ def _masked_scores(
 
 
 @triton.jit
+def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """(kv_len, full_end, hi) of the query block at start_m: its batch's key length; [0,
+    full_end) the key tiles every row of the block may see entirely; [full_end, hi) boundary
+    tiles (causal diagonal, last partial tile); beyond hi nothing is loaded."""
+    kv_len = Lk
+    if HAS_KEY_LENGTHS:
+        kv_len = tl.load(KeyLengths + off_b)
+    hi = kv_len
+    full_end = kv_len
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
+        full_end = tl.minimum(full_end, start_m + causal_offset + 1)
+    return kv_len, tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, tl.maximum(hi, 0)
+
+
+@triton.jit
 def _key_tile_scores(
     q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset, qk_scale,
     stride_k_n, stride_mask_m, stride_mask_n,
@@ -510,18 +527,8 @@ def _attention_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     start_m64 = tl.cast(start_m, tl.int64)
 
-    kv_len = Lk
-    if HAS_KEY_LENGTHS:
-        kv_len = tl.load(KeyLengths + off_b)
-    # [0, full_end): tiles every row of this block may see entirely; [full_end, hi): boundary
-    # tiles (causal diagonal, last partial tile); beyond hi nothing is loaded.
-    hi = kv_len
-    full_end = kv_len
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
-        full_end = tl.minimum(full_end, start_m + causal_offset + 1)
-    hi = tl.maximum(hi, 0)
-    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    kv_len, full_end, hi = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
+                                             HAS_KEY_LENGTHS, IS_CAUSAL)
 
     q_ptrs = Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m \
         + rows[:, None] * stride_q_m + offs_d[None, :]
@@ -661,18 +668,14 @@ def _attention_bwd_exact_rows_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         start_m64 = tl.cast(start_m, tl.int64)
-        kv_len = Lk
-        if HAS_KEY_LENGTHS:
-            kv_len = tl.load(KeyLengths + off_b)
-        key_end = kv_len  # the keys the forward visited for this block
-        if IS_CAUSAL:
-            key_end = tl.minimum(key_end, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
+        kv_len, _, key_end = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
+                                               HAS_KEY_LENGTHS, IS_CAUSAL)  # the keys the forward visited
         q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
                        + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
         l_x, m_x = _attention_row_stats(
             q, K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h,
             Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
-            offs_m, row_ok, d_ok, tl.maximum(key_end, 0), kv_len, causal_offset, scale * LOG2E, stride_k_n,
+            offs_m, row_ok, d_ok, key_end, kv_len, causal_offset, scale * LOG2E, stride_k_n,
             stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32,
             INPUT_PRECISION,
         )
@@ -934,16 +937,8 @@ def _attention_bwd_dq_kernel(
     d_ok = offs_d < HEAD_DIM
     start_m64 = tl.cast(start_m, tl.int64)
 
-    kv_len = Lk
-    if HAS_KEY_LENGTHS:
-        kv_len = tl.load(KeyLengths + off_b)
-    hi = kv_len  # the same tile split as the forward
-    full_end = kv_len
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, Lq) + causal_offset)
-        full_end = tl.minimum(full_end, start_m + causal_offset + 1)
-    hi = tl.maximum(hi, 0)
-    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    kv_len, full_end, hi = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
+                                             HAS_KEY_LENGTHS, IS_CAUSAL)  # the forward's tile split
 
     q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
                    + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
