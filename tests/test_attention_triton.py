@@ -291,7 +291,8 @@ def test_backward_is_deterministic(device):
         "tile shapes than the forward, and the interpreter's numpy matmul rounds by shape (42% of these "
         "q . k differ by up to 8 ulps); P = exp(S - hi) / l with the forward's statistics passes that "
         "mismatch on, where one softmax over one set of scores would not: the kernels' arithmetic "
-        "emulated in torch that way stays at 0.22 of the dv bound"))))], ids=str)
+        "emulated in torch that way, on these inputs (mask kind none), stays at 0.05-0.20 of the dv "
+        "bound over seeds 0-5 where Triton is at 1.2-4.3"))))], ids=str)
 def test_rows_of_huge_scores_get_exact_gradients(fill, kind, device):
     B, H, Hkv, Lq, Lk, D = 2, 2, 1, 37, 41, 16
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
