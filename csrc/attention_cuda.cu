@@ -274,9 +274,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
 // forward computed them (the same fmaf chains, key tiles and warp reductions).
 __global__ void __launch_bounds__(kThreads) attention_row_kernel(const AttentionArgs a, const void* __restrict__ dout,
                                                                   const void* __restrict__ out,
-                                                                  const float* __restrict__ lse, int64_t rows,
-                                                                  float* __restrict__ delta, float* __restrict__ hi,
-                                                                  float* __restrict__ r) {
+                                                                  const float* __restrict__ lse,
+                                                                  float* __restrict__ stats) {
+  const int64_t rows = a.B * a.H * a.Lq;
+  float *delta = stats, *hi = stats + rows, *r = stats + 2 * rows;  // the (3, B, H, Lq) workspace
   const int D = static_cast<int>(a.D), lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   // the loop condition, and so every branch on the row, is uniform across a warp: whole warps
@@ -597,7 +598,7 @@ const char* bwd_launch(const AttentionArgs& a, const void* dout, const void* out
   if (rows > 0) {  // with no query rows only the dK/dV kernel runs: it writes their zeros
     const int64_t row_blocks = (rows + kWarps - 1) / kWarps;  // rows beyond the grid loop
     attention_row_kernel<<<static_cast<unsigned>(row_blocks < kMaxRowBlocks ? row_blocks : kMaxRowBlocks), kThreads, 0,
-                           stream>>>(a, dout, out, lse, rows, stats, stats + rows, stats + 2 * rows);
+                           stream>>>(a, dout, out, lse, stats);
     if (const char* e = last_error()) return e;
 
     const size_t smem_q = dq_smem(a.D);
