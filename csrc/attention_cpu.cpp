@@ -305,63 +305,70 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
     }
 
     for (int64_t r = 0; r < bm; ++r) load_scaled(q_rows(b, h, i0 + r), s.q.data() + r * D, D, T(1));
-    std::fill(s.m.begin(), s.m.end(), neg_inf<T>());
-    std::fill(s.l.begin(), s.l.end(), T(0));
-    std::fill(s.o.begin(), s.o.end(), T(0));
     const T* kt_head = tile_transpose ? nullptr : kt_data + (b * p.Hkv + hk) * D * Lk;
 
-    for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
-      const int64_t bn = std::min(BN, kv_end - j0);
-      if (tile_transpose && bm <= kFwdDotRows) {
-        for (int64_t r = 0; r < bm; ++r) dots(s.q.data() + r * D, k_rows(b, hk, j0), k_rows.si, bn, D, s.s.data() + r * BN);
-      } else if (tile_transpose) {
-        transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
-        gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = Q K^T
-      } else {
-        gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);
-      }
-      // scaled after the products, as the reference's (q . k) * scale: a scaled q can overflow
-      // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf)
-      for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
+    // exact: the probabilities by std::exp, which keeps the subnormal ones exp_u20 flushes to 0
+    auto visit_keys = [&](bool exact) {
+      std::fill(s.m.begin(), s.m.end(), neg_inf<T>());
+      std::fill(s.l.begin(), s.l.end(), T(0));
+      std::fill(s.o.begin(), s.o.end(), T(0));
+      for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
+        const int64_t bn = std::min(BN, kv_end - j0);
+        if (tile_transpose && bm <= kFwdDotRows) {
+          for (int64_t r = 0; r < bm; ++r) dots(s.q.data() + r * D, k_rows(b, hk, j0), k_rows.si, bn, D, s.s.data() + r * BN);
+        } else if (tile_transpose) {
+          transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
+          gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = Q K^T
+        } else {
+          gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);
+        }
+        // scaled after the products, as the reference's (q . k) * scale: a scaled q can overflow
+        // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf)
+        for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
 
-      if (p.mask) {
-        for (int64_t r = 0; r < bm; ++r) {
-          load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-          apply_mask_row(p.mask, s.row.data(), s.s.data() + r * BN, bn, 1);
+        if (p.mask) {
+          for (int64_t r = 0; r < bm; ++r) {
+            load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
+            apply_mask_row(p.mask, s.row.data(), s.s.data() + r * BN, bn, 1);
+          }
         }
-      }
-      if (p.crosses_diagonal(i0, j0 + bn - 1)) {
-        for (int64_t r = 0; r < bm; ++r) {
-          const int64_t first_hidden = std::clamp<int64_t>(i0 + r + p.causal_offset + 1 - j0, 0, bn);
-          std::fill(s.s.data() + r * BN + first_hidden, s.s.data() + r * BN + bn, neg_inf<T>());
+        if (p.crosses_diagonal(i0, j0 + bn - 1)) {
+          for (int64_t r = 0; r < bm; ++r) {
+            const int64_t first_hidden = std::clamp<int64_t>(i0 + r + p.causal_offset + 1 - j0, 0, bn);
+            std::fill(s.s.data() + r * BN + first_hidden, s.s.data() + r * BN + bn, neg_inf<T>());
+          }
         }
-      }
 
-      for (int64_t r = 0; r < bm; ++r) {
-        T* srow = s.s.data() + r * BN;
-        const T m_new = nan_max(s.m[r], row_max(srow, bn));
-        if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
-          std::fill(srow, srow + bn, T(0));
-          continue;
+        for (int64_t r = 0; r < bm; ++r) {
+          T* srow = s.s.data() + r * BN;
+          const T m_new = nan_max(s.m[r], row_max(srow, bn));
+          if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
+            std::fill(srow, srow + bn, T(0));
+            continue;
+          }
+          if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
+            std::fill(srow, srow + bn, m_new);
+            s.m[r] = s.l[r] = m_new;
+            scale_row(s.o.data() + r * D, D, m_new);
+            continue;
+          }
+          const T alpha = std::exp(s.m[r] - m_new);  // 0 while the row was empty
+          const T row_sum = exact ? exp_sub_sum_exact(srow, bn, m_new) : exp_sub_sum(srow, bn, m_new);
+          s.l[r] = s.l[r] * alpha + row_sum;
+          s.m[r] = m_new;
+          if (alpha != T(1)) scale_row(s.o.data() + r * D, D, alpha);
+          if (p.dropout.enabled) {  // l keeps the undropped sum: dropout acts after the softmax
+            dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
+            for (int64_t c = 0; c < bn; ++c) srow[c] *= s.row[c];
+          }
         }
-        if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
-          std::fill(srow, srow + bn, m_new);
-          s.m[r] = s.l[r] = m_new;
-          scale_row(s.o.data() + r * D, D, m_new);
-          continue;
-        }
-        const T alpha = std::exp(s.m[r] - m_new);  // 0 while the row was empty
-        const T row_sum = exp_sub_sum(srow, bn, m_new);
-        s.l[r] = s.l[r] * alpha + row_sum;
-        s.m[r] = m_new;
-        if (alpha != T(1)) scale_row(s.o.data() + r * D, D, alpha);
-        if (p.dropout.enabled) {  // l keeps the undropped sum: dropout acts after the softmax
-          dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
-          for (int64_t c = 0; c < bn; ++c) srow[c] *= s.row[c];
-        }
+        gemm_nn(bm, D, bn, s.s.data(), BN, v_rows(b, hk, j0), ld_v, s.o.data(), D, true);  // O += P V
       }
-      gemm_nn(bm, D, bn, s.s.data(), BN, v_rows(b, hk, j0), ld_v, s.o.data(), D, true);  // O += P V
-    }
+    };
+    visit_keys(false);
+    // A weight below FLT_MIN flushed to 0 meets an inf in v as 0 * inf = NaN where the exact
+    // weight gives inf, as the reference does; the check is one pass over the block's output.
+    if (flushed_weight_hit_inf(s.o.data(), s.m.data(), bm, D)) visit_keys(true);
 
     for (int64_t r = 0; r < bm; ++r) {
       scalar_t* orow = out_rows(b, h, i0 + r);

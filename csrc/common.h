@@ -145,6 +145,43 @@ inline T exp_sub_sum(T* x, int64_t n, T m) {
   return lane_sum(acc);
 }
 
+// exp_sub_sum by std::exp: the results below FLT_MIN, which exp_u20 flushes to 0, stay
+// subnormal (a weight of exp(-95) times an inf in v is inf, not 0 * inf = NaN). For double
+// vexp is exact already.
+template <typename T>
+inline T exp_sub_sum_exact(T* x, int64_t n, T m) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return exp_sub_sum(x, n, m);
+  } else {
+    T s = 0;
+    for (int64_t k = 0; k < n; ++k) s += (x[k] = std::exp(x[k] - m));
+    return s;
+  }
+}
+
+// Whether a row of o (rows of n) has a NaN or an inf where its running max m is not NaN: with
+// exp_u20's flushed weights a NaN may be 0 * inf, and the row needs exp_sub_sum_exact. What
+// exact weights give as well (inf - inf, a NaN or an inf in v) costs one more pass, no more.
+template <typename T>
+inline bool flushed_weight_hit_inf(const T* o, const T* m, int64_t rows, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    constexpr int64_t W = Vec<T>::size();
+    const Vec<T> zero(T(0));
+    for (int64_t r = 0; r < rows; ++r) {
+      if (std::isnan(m[r])) continue;
+      const T* x = o + r * n;
+      Vec<T> acc = zero;  // x * 0 is NaN where x is NaN or inf, 0 elsewhere
+      int64_t k = 0;
+      for (; k + W <= n; k += W) acc = at::vec::fmadd(Vec<T>::loadu(x + k), zero, acc);
+      if (k < n) acc = at::vec::fmadd(Vec<T>::loadu(x + k, n - k), zero, acc);
+      if (std::isnan(lane_sum(acc))) return true;
+    }
+    return false;
+  }
+}
+
 // dst[k] = src[k] * a, vectorised (dst may be src)
 template <typename T>
 inline void scale_into(const T* src, T* dst, int64_t n, T a) {

@@ -145,28 +145,37 @@ void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, cons
       const T* vh = vd + n * v.stride(0) + h * v.stride(1);
       for (int64_t l = 0; l < L; ++l) {
         const T* qr = qd + n * q.stride(0) + h * q.stride(1) + l * q.stride(2);
-        for (int64_t j = 0; j < S; ++j) srow[j] = dot(qr, kh + j * k.stride(2), D) * scale;
-        if (mask) {
-          load_mask_row(mask, n, h, l, 0, S, mrow.data());
-          apply_mask_row(mask, mrow.data(), srow.data(), S, 1);
-        }
-        for (int64_t j = 0; j < S; ++j) {
-          if (j >= visible || (is_causal && j > l)) srow[j] = neg_inf<T>();
-        }
-        const T m = row_max(srow.data(), S);
-        const T inv = T(1) / exp_sub_sum(srow.data(), S, m);  // NaN when m is +-inf or NaN
-        scalar_t* wr = average ? nullptr : wd + ((n * H + h) * L + l) * S;
-        std::fill(orow.begin(), orow.end(), T(0));
-        for (int64_t j = 0; j < S; ++j) {
-          const scalar_t w_out = static_cast<scalar_t>(srow[j] * inv);
-          const T w = static_cast<T>(w_out);
-          if (wr) {
-            wr[j] = w_out;
-          } else {
-            wsum[l * S + j] += w;
+        // srow = the weights, rounded to scalar_t; orow = weights @ v. exact: by std::exp,
+        // which keeps the subnormal weights exp_u20 flushes to 0.
+        auto weigh = [&](bool exact) {
+          for (int64_t j = 0; j < S; ++j) srow[j] = dot(qr, kh + j * k.stride(2), D) * scale;
+          if (mask) {
+            load_mask_row(mask, n, h, l, 0, S, mrow.data());
+            apply_mask_row(mask, mrow.data(), srow.data(), S, 1);
           }
-          const T* vr = vh + j * v.stride(2);
-          for (int64_t d = 0; d < D; ++d) orow[d] += w * vr[d];
+          for (int64_t j = 0; j < S; ++j) {
+            if (j >= visible || (is_causal && j > l)) srow[j] = neg_inf<T>();
+          }
+          const T m = row_max(srow.data(), S);
+          // NaN when m is +-inf or NaN
+          const T inv = T(1) / (exact ? exp_sub_sum_exact(srow.data(), S, m) : exp_sub_sum(srow.data(), S, m));
+          std::fill(orow.begin(), orow.end(), T(0));
+          for (int64_t j = 0; j < S; ++j) {
+            const T w = srow[j] = static_cast<T>(static_cast<scalar_t>(srow[j] * inv));
+            const T* vr = vh + j * v.stride(2);
+            for (int64_t d = 0; d < D; ++d) orow[d] += w * vr[d];
+          }
+          return m;
+        };
+        const T m = weigh(false);
+        if (std::isfinite(m) && flushed_weight_hit_inf(orow.data(), &m, 1, D)) weigh(true);
+        scalar_t* wr = average ? nullptr : wd + ((n * H + h) * L + l) * S;
+        for (int64_t j = 0; j < S; ++j) {
+          if (wr) {
+            wr[j] = static_cast<scalar_t>(srow[j]);
+          } else {
+            wsum[l * S + j] += srow[j];
+          }
         }
         scalar_t* orr = od + ((n * H + h) * L + l) * D;
         for (int64_t d = 0; d < D; ++d) orr[d] = static_cast<scalar_t>(orow[d]);

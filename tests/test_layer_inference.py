@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 import warnings
 
@@ -550,6 +551,33 @@ def test_multihead_attention_weights_by_loops_and_by_matmuls(path, cross, mask, 
         torch.testing.assert_close(out, out_m, equal_nan=True, **TOL[dtype])
         _assert_like_torch("weights", weights, weights_t)
         _assert_like_torch("output", out, out_t)
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
+def test_multihead_attention_inf_value_with_a_subnormal_weight(need_weights, module_path):
+    """Key 1's weight is exp(-95) = 5.5e-42 and its value projection overflows to inf: torch
+    gives inf, 5.5e-42 * inf, where a weight flushed to 0 would give 0 * inf = NaN."""
+    def build(cls):
+        m = cls(2, 1, batch_first=True)
+        with torch.no_grad():  # q = x, k = (x0, 1e-38 x1), v = (2 x1, 2 x1); out = sum of the head's two
+            m.in_proj_weight.copy_(torch.tensor([[1.0, 0], [0, 1], [1, 0], [0, 1e-38], [0, 2], [0, 2]]))
+            m.in_proj_bias.zero_()
+            m.out_proj.weight.fill_(1.0)
+            m.out_proj.bias.zero_()
+        return m.eval()
+
+    mha, ref = build(fnn.MultiheadAttention), build(torch.nn.MultiheadAttention)
+    query = torch.tensor([[[1.0, 0.0], [0.5, 0.0]]])
+    memory = torch.tensor([[[0.0, 1.0], [-95 * 2**0.5, 3e38]]])  # scores 0 and -95 for query 0
+    run = lambda m: m(query, memory, memory, need_weights=need_weights)  # noqa: E731
+    (out, weights), (out_m, weights_m) = _fused_and_module(lambda: run(mha), module_path, MHA_OP)
+    with torch.no_grad():
+        out_t, weights_t = run(ref)
+    assert torch.equal(out_t, torch.full((1, 2, 2), math.inf))
+    assert torch.equal(out, out_t) and torch.equal(out_m, out_t)
+    if need_weights:
+        assert 0 < weights_t[0, 0, 1] < torch.finfo(torch.float32).tiny
+        torch.testing.assert_close(weights, weights_t, atol=0, rtol=1e-5)
 
 
 def test_multihead_attention_causal_hint_without_weights(module_path):
