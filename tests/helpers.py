@@ -4,6 +4,7 @@ settings."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -80,6 +81,23 @@ def huge_score_rows(q: torch.Tensor, mask: torch.Tensor, fill) -> tuple[torch.Te
     mask[:, :, ::3] = fill
     mask[:, :, 1::3, : mask.shape[-1] // 2] = fill
     return q, mask
+
+
+def subnormal_weight_with_inf_value(Lq: int, Lk: int, dtype: torch.dtype, device="cpu"):
+    """(q, k, v) of shape (1, 2, L, 8), for scale 1, where every query's weight on the last key
+    is exp(-95) = 5.5e-42 in head 0 (below float32's smallest normal, 1.2e-38) and exp(-1e4)
+    = 0 in head 1, and that key's value is inf in column 3. The reference gives inf there in
+    head 0 (5.5e-42 * inf) and NaN in head 1 (0 * inf); the other columns are finite."""
+    g = torch.Generator().manual_seed(Lq + Lk)
+    q = torch.zeros(1, 2, Lq, 8)
+    q[..., 0] = 1.0  # the score of key j is k[j, 0]
+    k = torch.randn(1, 2, Lk, 8, generator=g)
+    k[..., 0] = torch.rand(1, 2, Lk, generator=g)  # scores in [0, 1)
+    k[:, 0, -1, 0] = -95.0
+    k[:, 1, -1, 0] = -1e4
+    v = torch.randn(1, 2, Lk, 8, generator=g)
+    v[:, :, -1, 3] = math.inf
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
 def assert_compile_targets_well_formed(targets: list[dict], num_stages: int) -> None:

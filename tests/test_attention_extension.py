@@ -7,6 +7,7 @@ schedules and fp64 gradcheck. Low precision follows the 2x rule of tests/helpers
 The CUDA kernels run the same checks under ``pytest -m gpu``.
 """
 
+import math
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from fasttrans import backends, reference
 from fasttrans import functional as ftf
 
 from helpers import (assert_close_lowp, attention_keep, cast_floating, huge_score_rows, make_bool_mask, make_float_mask,
-                     philox4x32_10, require_extension)
+                     philox4x32_10, require_extension, subnormal_weight_with_inf_value)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -324,6 +325,21 @@ def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
 @pytest.mark.parametrize("D", [16, 64])
 def test_rows_of_huge_scores_get_exact_gradients_on_cuda(ext, kind, fill, D):
     _check_huge_scores(kind, fill, D, "cuda")
+
+
+# An inf in v behind a weight below float32's smallest normal: the reference gives 5.5e-42 *
+# inf = inf. CUDA's expf keeps subnormal results (ex2 of a normal-range fraction times a
+# power of two), so the CUDA kernels need no recompute; the CPU kernel's exp_u20 flushes them
+# and recomputes the block (tested on the CPU in tests/test_bad_inputs_fuzz.py).
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("Lq,Lk", [(1, 2), (40, 9), (300, 300)])
+def test_inf_in_v_with_a_subnormal_weight_on_cuda(ext, dtype, Lq, Lk):
+    q, k, v = subnormal_weight_with_inf_value(Lq, Lk, dtype, "cuda")
+    ref = reference.attention(q, k, v, scale=1.0)
+    out = _extension(q, k, v, scale=1.0)
+    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
+    torch.testing.assert_close(out, ref, equal_nan=True)
 
 
 @pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)

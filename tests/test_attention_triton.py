@@ -12,6 +12,7 @@ same-precision baseline ``reference.attention(..., upcast=False)`` on the low-pr
 """
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ import torch
 import fasttrans
 from fasttrans import backends, functional, reference
 
-from helpers import FLOOR, assert_close_lowp, attention_keep, huge_score_rows, make_bool_mask, make_float_mask
+from helpers import (FLOOR, assert_close_lowp, attention_keep, huge_score_rows, make_bool_mask, make_float_mask,
+                     subnormal_weight_with_inf_value)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
@@ -277,6 +279,24 @@ def test_backward_is_deterministic(device):
     first, second = once(), once()
     for name in first:
         assert torch.equal(first[name], second[name]), f"{name} differs between two identical runs"
+
+
+# An inf in v behind a weight below float32's smallest normal (the reference: 5.5e-42 * inf =
+# inf). Through the interpreter the kernels give inf (tests/test_bad_inputs_fuzz.py); this
+# pins what the compiled kernels do.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "on a GPU tl.math.exp2 compiles to ex2.approx.ftz.f32 (PTX of the compile check for sm_90), which "
+    "flushes the weight exp(-95) to 0, and a float16/bfloat16 P cannot hold it for P @ V either: "
+    "0 * inf = NaN where the reference gives inf (read from the PTX, not yet run on a GPU)"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inf_in_v_with_a_subnormal_weight_on_cuda(dtype):
+    q, k, v = subnormal_weight_with_inf_value(40, 9, dtype, "cuda")
+    ref = reference.attention(q, k, v, scale=1.0)
+    out = _triton(q, k, v, scale=1.0)
+    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
+    torch.testing.assert_close(out, ref, equal_nan=True)
 
 
 # Rows whose |lse| passes kernels/attention.py's EXACT_LSE get their max and sum recomputed by

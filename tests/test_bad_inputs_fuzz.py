@@ -64,6 +64,7 @@ from fasttrans import functional
 from fasttrans.backends import BackendUnavailableError
 
 from helpers import fuzz_settings as _fuzz
+from helpers import subnormal_weight_with_inf_value
 
 _LONG_RUN = os.environ.get("FASTTRANS_FUZZ_EXAMPLES")  # also the number of drawn raw-op calls per op
 
@@ -938,17 +939,7 @@ def test_gradients_of_rows_of_huge_scores(backend, fill):
 ], ids=["extension-float32", "extension-bfloat16", "extension-float64", "triton-float32", "triton-bfloat16"])
 @pytest.mark.parametrize("Lq,Lk", [(1, 2), (2, 9), (40, 9), (300, 300)])
 def test_inf_in_v_with_a_subnormal_weight(backend, dtype, Lq, Lk):
-    g = torch.Generator().manual_seed(Lq + Lk)
-    D = 8
-    q = torch.zeros(1, 2, Lq, D)
-    q[..., 0] = 1.0  # score of key j = k[j, 0]
-    k = torch.randn(1, 2, Lk, D, generator=g)
-    k[..., 0] = torch.rand(1, 2, Lk, generator=g)  # scores in [0, 1)
-    k[:, 0, -1, 0] = -95.0  # head 0: the last key's weight is about exp(-95) = 5.5e-42
-    k[:, 1, -1, 0] = -1e4  # head 1: exp(-1e4) is 0 for the reference too: NaN in both
-    v = torch.randn(1, 2, Lk, D, generator=g)
-    v[:, :, -1, 3] = math.inf
-    q, k, v = (t.to(dtype) for t in (q, k, v))
+    q, k, v = subnormal_weight_with_inf_value(Lq, Lk, dtype)
     with fasttrans.use_backend("reference"):
         ref = fasttrans.attention(q, k, v, scale=1.0)
     with fasttrans.use_backend(backend):
