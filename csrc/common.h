@@ -159,8 +159,9 @@ inline T exp_sub_sum_exact(T* x, int64_t n, T m) {
   }
 }
 
-// Whether a row of o (rows of n) has a NaN or an inf where its running max m is not NaN: with
-// exp_u20's flushed weights a NaN may be 0 * inf, and the row needs exp_sub_sum_exact. What
+// Whether a row of o (rows of n) has a NaN or an inf where its running max m is finite: with
+// exp_u20's flushed weights a NaN may be 0 * inf, and the row needs exp_sub_sum_exact. (A max
+// of -inf leaves the row empty, one of +inf or NaN makes it NaN whatever the weights.) What
 // exact weights give as well (inf - inf, a NaN or an inf in v) costs one more pass, no more.
 template <typename T>
 inline bool flushed_weight_hit_inf(const T* o, const T* m, int64_t rows, int64_t n) {
@@ -170,7 +171,7 @@ inline bool flushed_weight_hit_inf(const T* o, const T* m, int64_t rows, int64_t
     constexpr int64_t W = Vec<T>::size();
     const Vec<T> zero(T(0));
     for (int64_t r = 0; r < rows; ++r) {
-      if (std::isnan(m[r])) continue;
+      if (!std::isfinite(m[r])) continue;
       const T* x = o + r * n;
       Vec<T> acc = zero;  // x * 0 is NaN where x is NaN or inf, 0 elsewhere
       int64_t k = 0;

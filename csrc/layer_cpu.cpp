@@ -168,7 +168,7 @@ void attention_with_weights_loops(const at::Tensor& q, const at::Tensor& k, cons
           return m;
         };
         const T m = weigh(false);
-        if (std::isfinite(m) && flushed_weight_hit_inf(orow.data(), &m, 1, D)) weigh(true);
+        if (flushed_weight_hit_inf(orow.data(), &m, 1, D)) weigh(true);
         scalar_t* wr = average ? nullptr : wd + ((n * H + h) * L + l) * S;
         for (int64_t j = 0; j < S; ++j) {
           if (wr) {
