@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fasttrans import backends
+from fasttrans import backends, reference
 
 # Per-dtype floor added to the 2x rule: absolute error a correct kernel may always have.
 FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -84,10 +84,11 @@ def huge_score_rows(q: torch.Tensor, mask: torch.Tensor, fill) -> tuple[torch.Te
 
 
 def subnormal_weight_with_inf_value(Lq: int, Lk: int, dtype: torch.dtype, device="cpu"):
-    """(q, k, v) of shape (1, 2, L, 8), for scale 1, where every query's weight on the last key
-    is exp(-95) = 5.5e-42 in head 0 (below float32's smallest normal, 1.2e-38) and exp(-1e4)
-    = 0 in head 1, and that key's value is inf in column 3. The reference gives inf there in
-    head 0 (5.5e-42 * inf) and NaN in head 1 (0 * inf); the other columns are finite."""
+    """(q, k, v, the reference's output) of shape (1, 2, L, 8), for scale 1, where every
+    query's weight on the last key is exp(-95) = 5.5e-42 in head 0 (below float32's smallest
+    normal, 1.2e-38) and exp(-1e4) = 0 in head 1, and that key's value is inf in column 3.
+    The reference gives inf there in head 0 (5.5e-42 * inf) and NaN in head 1 (0 * inf); the
+    other columns are finite (asserted here)."""
     g = torch.Generator().manual_seed(Lq + Lk)
     q = torch.zeros(1, 2, Lq, 8)
     q[..., 0] = 1.0  # the score of key j is k[j, 0]
@@ -97,7 +98,11 @@ def subnormal_weight_with_inf_value(Lq: int, Lk: int, dtype: torch.dtype, device
     k[:, 1, -1, 0] = -1e4
     v = torch.randn(1, 2, Lk, 8, generator=g)
     v[:, :, -1, 3] = math.inf
-    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    ref = reference.attention(q, k, v, scale=1.0)
+    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
+    assert ref.isfinite()[..., [0, 1, 2, 4, 5, 6, 7]].all()
+    return q, k, v, ref
 
 
 def assert_compile_targets_well_formed(targets: list[dict], num_stages: int) -> None:

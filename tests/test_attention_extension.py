@@ -7,7 +7,6 @@ schedules and fp64 gradcheck. Low precision follows the 2x rule of tests/helpers
 The CUDA kernels run the same checks under ``pytest -m gpu``.
 """
 
-import math
 
 import pytest
 import torch
@@ -335,10 +334,8 @@ def test_rows_of_huge_scores_get_exact_gradients_on_cuda(ext, kind, fill, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("Lq,Lk", [(1, 2), (40, 9), (300, 300)])
 def test_inf_in_v_with_a_subnormal_weight_on_cuda(ext, dtype, Lq, Lk):
-    q, k, v = subnormal_weight_with_inf_value(Lq, Lk, dtype, "cuda")
-    ref = reference.attention(q, k, v, scale=1.0)
+    q, k, v, ref = subnormal_weight_with_inf_value(Lq, Lk, dtype, "cuda")
     out = _extension(q, k, v, scale=1.0)
-    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
     torch.testing.assert_close(out, ref, equal_nan=True)
 
 

@@ -12,7 +12,6 @@ same-precision baseline ``reference.attention(..., upcast=False)`` on the low-pr
 """
 
 import contextlib
-import math
 import os
 import subprocess
 import sys
@@ -292,10 +291,8 @@ def test_backward_is_deterministic(device):
     "0 * inf = NaN where the reference gives inf (read from the PTX, not yet run on a GPU)"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_inf_in_v_with_a_subnormal_weight_on_cuda(dtype):
-    q, k, v = subnormal_weight_with_inf_value(40, 9, dtype, "cuda")
-    ref = reference.attention(q, k, v, scale=1.0)
+    q, k, v, ref = subnormal_weight_with_inf_value(40, 9, dtype, "cuda")
     out = _triton(q, k, v, scale=1.0)
-    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
     torch.testing.assert_close(out, ref, equal_nan=True)
 
 

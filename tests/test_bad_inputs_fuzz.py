@@ -939,13 +939,9 @@ def test_gradients_of_rows_of_huge_scores(backend, fill):
 ], ids=["extension-float32", "extension-bfloat16", "extension-float64", "triton-float32", "triton-bfloat16"])
 @pytest.mark.parametrize("Lq,Lk", [(1, 2), (2, 9), (40, 9), (300, 300)])
 def test_inf_in_v_with_a_subnormal_weight(backend, dtype, Lq, Lk):
-    q, k, v = subnormal_weight_with_inf_value(Lq, Lk, dtype)
-    with fasttrans.use_backend("reference"):
-        ref = fasttrans.attention(q, k, v, scale=1.0)
+    q, k, v, ref = subnormal_weight_with_inf_value(Lq, Lk, dtype)
     with fasttrans.use_backend(backend):
         out = fasttrans.attention(q, k, v, scale=1.0)
-    assert (ref[:, 0, :, 3] == math.inf).all() and ref[:, 1, :, 3].isnan().all()
-    assert ref.isfinite()[..., [0, 1, 2, 4, 5, 6, 7]].all()
     _compare("out", out, ref, TOL[dtype])
     assert out[:, 1, :, 3].isnan().all()
 
