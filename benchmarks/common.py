@@ -20,6 +20,19 @@ Timing
     ``block_s``; one sample per provider and round.
     Reported: the median of the samples and their 20% / 80% quantiles.
 
+CPU caches (``--cache``, default ``warm``; the ``cache`` column of the CSV)
+    ``warm``: back-to-back calls, as above. Inputs and outputs larger than the last-level
+    cache then stay in it in part from one call to the next, and how large that part is
+    depends on what else runs on the machine (other processes share the L3), so on a
+    shared machine a memory-bound op at tens of MiB can time at either of two speeds from
+    one run to the next.
+    ``cold``: every call is preceded, outside the timed region, by a read of a buffer twice
+    the size of the last-level cache (from sysfs), so its inputs come from DRAM; each call
+    is timed alone with ``time.perf_counter`` (``Timer.timeit`` would warm the cache with
+    calls of its own first). One sample per provider and round is the mean of a block of
+    such calls. This is what ``do_bench`` does on CUDA, where every row is ``cold``: it
+    overwrites a buffer larger than the L2 before each call.
+
 CPU allocator (``--malloc``, default ``steady``)
     torch's CPU tensors come from glibc's malloc, which returns the top of its heap to the
     system whenever more than a moving threshold is free and maps big blocks afresh: a
@@ -68,7 +81,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
 FIELDS = (
-    "run_id", "run", "date", "benchmark", "sweep", "case", "op", "mode", "dtype", "params",
+    "run_id", "run", "cache", "date", "benchmark", "sweep", "case", "op", "mode", "dtype", "params",
     "provider", "variant", "status", "median_ms", "q20_ms", "q80_ms", "samples",
     "work", "work_unit", "throughput", "throughput_unit", "speedup_vs_torch",
     "peak_mem_bytes", "mem_vs_torch", "error",
@@ -102,6 +115,9 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: torch's own choice, one per core)")
     p.add_argument("--malloc", choices=("steady", "default"), default="steady",
                    help="CPU allocator setting for the whole run (see the module docstring; default: steady)")
+    p.add_argument("--cache", choices=("warm", "cold"), default=None,
+                   help="CPU: time back-to-back calls (warm, the default) or evict the caches before each "
+                        "call (cold); CUDA rows are always cold (see the module docstring)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where <device>.csv is appended to and the PNGs are written (default: benchmarks/results)")
     return p
@@ -138,6 +154,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
             parser.error(f"--threads: expected a positive number, got {args.threads}")
         torch.set_num_threads(args.threads)
     args.dtype = getattr(torch, args.dtype or ("float16" if args.device == "cuda" else "float32"))
+    if args.device == "cuda" and args.cache == "warm":
+        parser.error("--cache warm: CUDA timings come from triton.testing.do_bench, which flushes the L2 "
+                     "before every call; only --cache cold applies to --device cuda")
+    args.cache = args.cache or ("cold" if args.device == "cuda" else "warm")
     if args.device == "cpu" and args.malloc == "steady":
         steady_allocator()
     args.provider = split_values(args.provider, option="--provider")
@@ -340,12 +360,68 @@ def _cpu_block_size(fn: Callable[[], Any], plan: TimingPlan) -> int:
     return max(1, round(plan.block_s / max(per_call, 1e-9)))
 
 
-def measure_interleaved(fns: dict[Any, Callable[[], Any]], device: str, plan: TimingPlan
-                        ) -> dict[Any, Timing | BaseException]:
-    """Time every function in ``fns`` in interleaved rounds; a function that raises gets its exception."""
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of CPU 0's largest cache, from sysfs (``index*/size``: "32768K"); None where it is not said."""
+    sizes = []
+    for f in sysfs.glob("index*/size"):
+        m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", f.read_text())
+        if m:
+            sizes.append(int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
+    return max(sizes) if sizes else None
+
+
+class CacheFlush:
+    """Evicts the CPU caches: reads (``sum``, on every torch thread) a buffer twice the last-level cache.
+
+    A read leaves only clean lines behind, so the timed call that follows pays no write-back
+    for the flush; dirty lines of the previous call are written back during the flush.
+    """
+
+    FALLBACK_BYTES = 64 * 2**20  # where sysfs does not give the cache size
+
+    def __init__(self, cache_bytes: int | None = None):
+        cache_bytes = cache_bytes or last_level_cache_bytes() or self.FALLBACK_BYTES
+        self.nbytes = 2 * cache_bytes
+        self.buffer = torch.ones(self.nbytes // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
+
+
+def _time_cold(fn: Callable[[], Any], calls: int, flush: Callable[[], None]) -> float:
+    """Seconds per call over ``calls`` calls, each after ``flush()`` and timed alone."""
+    total = 0.0
+    gc_enabled = gc.isenabled()
+    gc.disable()  # as Timer does
+    try:
+        for _ in range(calls):
+            flush()
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+    finally:
+        if gc_enabled:
+            gc.enable()
+    return total / calls
+
+
+def measure_interleaved(fns: dict[Any, Callable[[], Any]], device: str, plan: TimingPlan,
+                        flush: Callable[[], None] | None = None) -> dict[Any, Timing | BaseException]:
+    """Time every function in ``fns`` in interleaved rounds; a function that raises gets its exception.
+
+    On CPU, ``flush`` (a ``CacheFlush``) makes the timing cold: it runs before every timed
+    call, outside the timed region. A block then holds at most as many calls as the flush
+    fits into ``block_s``, so that tiny ops do not spend a round flushing.
+    """
     out: dict[Any, Timing | BaseException] = {}
     cuda = device == "cuda"
     blocks: dict[Any, int] = {}
+    most_calls = None
+    if flush is not None and not cuda:
+        flush()
+        start = time.perf_counter()
+        flush()
+        most_calls = max(1, int(plan.block_s / max(time.perf_counter() - start, 1e-9)))
     for key, fn in fns.items():  # warm-up (and CPU block sizes), one provider at a time
         try:
             if cuda:
@@ -353,6 +429,8 @@ def measure_interleaved(fns: dict[Any, Callable[[], Any]], device: str, plan: Ti
                 torch.cuda.synchronize()
             else:
                 blocks[key] = _cpu_block_size(fn, plan)
+                if most_calls is not None:
+                    blocks[key] = min(blocks[key], most_calls)
         except Exception as e:
             out[key] = e
             _after_failure(device)
@@ -371,6 +449,10 @@ def measure_interleaved(fns: dict[Any, Callable[[], Any]], device: str, plan: Ti
                     times_ms = do_bench(fns[key], warmup=plan.cuda_warmup_ms, rep=plan.cuda_rep_ms, return_mode="all")
                     samples[key].extend(t / 1e3 for t in times_ms)
                     spent[key] += sum(times_ms) / 1e3
+                elif most_calls is not None:
+                    t = _time_cold(fns[key], blocks[key], flush)
+                    samples[key].append(t)
+                    spent[key] += t * blocks[key]
                 else:
                     t = _time_block(fns[key], blocks[key])
                     samples[key].append(t)
@@ -545,12 +627,24 @@ class Bench:
         self._sweeps: set[str] = set()  # sweeps of the configurations the script-level filters kept
         self._providers: dict[Any, list[Provider]] = {}
         self._start = time.perf_counter()
+        self._cache_flush: CacheFlush | None = None
         e = self.env
         print(f"fasttrans {benchmark} benchmark{' (--quick: smoke run, not a measurement)' if self.quick else ''}")
         print(f"  device   {e.device_name} ({e.device}), {e.threads} torch threads")
         print(f"  versions torch {e.torch}, triton {e.triton}, fasttrans {e.fasttrans}"
               f"{', CUDA ' + e.cuda if e.cuda else ''}, python {e.python}, commit {e.git_commit or '?'}")
+        print(f"  caches   {args.cache}" + (" (L2 flushed before every call)" if self.device == "cuda" else
+                                                " (caches evicted before every call)" if args.cache == "cold" else
+                                                " (back-to-back calls)"))
         print(f"  results  {self.csv_path}")
+
+    def _flush(self) -> CacheFlush | None:
+        """The CPU cache flush of a --cache cold run, made once; None otherwise."""
+        if self.device == "cuda" or self.args.cache != "cold":
+            return None
+        if self._cache_flush is None:
+            self._cache_flush = CacheFlush()
+        return self._cache_flush
 
     # providers --------------------------------------------------------------------
     def providers(self, op: str | None) -> list[Provider]:
@@ -609,7 +703,7 @@ class Bench:
                 results[e.key] = Result(cfg, *e.key, "error", error=_format_error(err))
         timings: dict = {}
         if fns and "time" in cfg.measure:
-            timings = measure_interleaved(fns, self.device, self.plan)
+            timings = measure_interleaved(fns, self.device, self.plan, self._flush())
         for key, fn in fns.items():
             outcome = timings.get(key)
             if isinstance(outcome, BaseException):
@@ -699,7 +793,8 @@ class Bench:
         unit, _ = throughput_unit(c.work_unit, self.device)
         tp = self.throughput(r)
         return {
-            "run_id": self.run_id, "run": "quick" if self.quick else "full", "date": self.date,
+            "run_id": self.run_id, "run": "quick" if self.quick else "full", "cache": self.args.cache,
+            "date": self.date,
             "benchmark": self.benchmark, "sweep": c.sweep, "case": c.case, "op": c.op, "mode": c.mode,
             "dtype": c.dtype_name, "params": c.params_text, "provider": r.provider, "variant": r.variant,
             "status": r.status,

@@ -83,6 +83,64 @@ def test_interleaved_timing_alternates_providers_and_keeps_failures_apart():
     assert sorted(timed[i] + timed[i + 1] for i in range(0, 8, 2)) == ["ab", "ab", "ba", "ba"]
 
 
+def test_cold_timing_flushes_the_caches_before_every_timed_call():
+    calls = []
+
+    def make(name):
+        def fn():
+            calls.append(name)
+        return fn
+
+    def flush():
+        calls.append("flush")
+
+    plan = common.TimingPlan(warmup_s=0.0, block_s=1e-4, min_rounds=3, max_rounds=3, min_time_s=0.0,
+                             max_time_s=0.0, cuda_warmup_ms=1, cuda_rep_ms=1)
+    out = common.measure_interleaved({"a": make("a"), "b": make("b")}, "cpu", plan, flush=flush)
+    assert len(out["a"].samples) == len(out["b"].samples) == 3
+    assert calls[:2] == ["flush", "flush"]  # the flush's own timing, which sizes the blocks
+    timed = calls[calls.index("b") + 1:]
+    while timed[0] != "flush":  # the end of b's warm-up (Timer's calls, which are never samples)
+        timed = timed[1:]
+    assert timed and all(timed[i] == "flush" and timed[i + 1] in "ab" for i in range(0, len(timed), 2)), timed
+    assert timed.count("a") == timed.count("b") > 0
+
+
+def test_last_level_cache_size_comes_from_sysfs(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "32768K\n")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size)
+    assert common.last_level_cache_bytes(tmp_path) == 32 * 2**20
+    assert common.last_level_cache_bytes(tmp_path / "absent") is None
+    flush = common.CacheFlush(cache_bytes=2**20)
+    assert flush.buffer.numel() * flush.buffer.element_size() == flush.nbytes == 2 * 2**20
+    flush()
+
+
+def test_cold_run_flushes_and_marks_its_rows(tmp_path, monkeypatch):
+    flushes = []
+    monkeypatch.setattr(common.CacheFlush, "__call__", lambda self: flushes.append(self.nbytes))
+    bench = _bench(tmp_path, "--quick", "--cache", "cold")
+    cfg = common.Config(sweep="sweep", op="add", mode="fwd", dtype=torch.float32, params={},
+                        inputs=lambda: torch.ones(3), entries=[
+                            common.Entry(common.Provider("torch"), lambda x: (lambda: x + 1))])
+    (row,) = bench.run(cfg)
+    assert row.status == "ok" and len(row.timing.samples) >= 3
+    assert len(flushes) >= 2 + len(row.timing.samples)  # at least one before each sample's call
+    assert {r["cache"] for r in _read_csv(bench.csv_path)} == {"cold"}
+    warm = _bench(tmp_path / "warm", "--quick")
+    warm.run(cfg)
+    assert {r["cache"] for r in _read_csv(warm.csv_path)} == {"warm"}
+
+
+def test_cuda_timing_is_always_cold(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        common.parse_args(common.make_parser("test"), ["--device", "cuda", "--cache", "warm"])
+    assert "--cache warm" in capsys.readouterr().err
+    assert common.parse_args(common.make_parser("test"), ["--device", "cuda"]).cache == "cold"
+
+
 def test_provider_filter():
     sel = common.provider_selected
     assert sel("fasttrans-extension", [])
@@ -283,7 +341,8 @@ def test_quick_run_writes_sane_rows_and_plots(quick_results, script):
     for r in rows:
         for k in NUMERIC:  # empty or a finite number: never NaN or inf standing in for a failure
             assert r[k] == "" or math.isfinite(float(r[k])), (k, r)
-        assert r["run"] == "quick" and r["device"] == "cpu" and r["torch"] == torch.__version__
+        assert r["run"] == "quick" and r["cache"] == "warm" and r["device"] == "cpu"
+        assert r["torch"] == torch.__version__
         assert r["date"] and r["device_name"] and r["fasttrans"] and r["triton"]
         assert r["status"] in common.STATUSES, r
         if r["status"] != "ok":
