@@ -60,20 +60,25 @@ def test_cpu_peak_memory_excludes_what_was_live_before():
     assert x.numel() <= peak < x.numel() + 64 * 1024, peak
 
 
+def _recorder(calls: list, name: str):
+    """A function to time that appends ``name`` to ``calls`` each time it is called."""
+    return lambda: calls.append(name)
+
+
+def _plan(block_s: float, rounds: int) -> common.TimingPlan:
+    """Exactly ``rounds`` rounds with no warm-up time and no time limits."""
+    return common.TimingPlan(warmup_s=0.0, block_s=block_s, min_rounds=rounds, max_rounds=rounds, min_time_s=0.0,
+                             max_time_s=0.0, cuda_warmup_ms=1, cuda_rep_ms=1)
+
+
 def test_interleaved_timing_alternates_providers_and_keeps_failures_apart():
     calls = []
-
-    def make(name):
-        def fn():
-            calls.append(name)
-        return fn
 
     def broken():
         raise ValueError("no kernel for this shape")
 
-    plan = common.TimingPlan(warmup_s=0.0, block_s=0.0, min_rounds=4, max_rounds=4, min_time_s=0.0,
-                             max_time_s=0.0, cuda_warmup_ms=1, cuda_rep_ms=1)
-    out = common.measure_interleaved({"a": make("a"), "b": make("b"), "broken": broken}, "cpu", plan)
+    fns = {"a": _recorder(calls, "a"), "b": _recorder(calls, "b"), "broken": broken}
+    out = common.measure_interleaved(fns, "cpu", _plan(block_s=0.0, rounds=4))
     assert isinstance(out["broken"], ValueError)
     assert len(out["a"].samples) == len(out["b"].samples) == 4
     # block_s=0 gives blocks of one call, each preceded by Timer's two warm-up calls
@@ -85,18 +90,8 @@ def test_interleaved_timing_alternates_providers_and_keeps_failures_apart():
 
 def test_cold_timing_flushes_the_caches_before_every_timed_call():
     calls = []
-
-    def make(name):
-        def fn():
-            calls.append(name)
-        return fn
-
-    def flush():
-        calls.append("flush")
-
-    plan = common.TimingPlan(warmup_s=0.0, block_s=1e-4, min_rounds=3, max_rounds=3, min_time_s=0.0,
-                             max_time_s=0.0, cuda_warmup_ms=1, cuda_rep_ms=1)
-    out = common.measure_interleaved({"a": make("a"), "b": make("b")}, "cpu", plan, flush=flush)
+    fns = {"a": _recorder(calls, "a"), "b": _recorder(calls, "b")}
+    out = common.measure_interleaved(fns, "cpu", _plan(block_s=1e-4, rounds=3), flush=_recorder(calls, "flush"))
     assert len(out["a"].samples) == len(out["b"].samples) == 3
     assert calls[:2] == ["flush", "flush"]  # the flush's own timing, which sizes the blocks
     timed = calls[calls.index("b") + 1:]
