@@ -627,24 +627,16 @@ class Bench:
         self._sweeps: set[str] = set()  # sweeps of the configurations the script-level filters kept
         self._providers: dict[Any, list[Provider]] = {}
         self._start = time.perf_counter()
-        self._cache_flush: CacheFlush | None = None
+        # the CPU cache flush of a --cache cold run (CUDA's do_bench flushes its own L2)
+        self.flush = CacheFlush() if self.device == "cpu" and args.cache == "cold" else None
         e = self.env
         print(f"fasttrans {benchmark} benchmark{' (--quick: smoke run, not a measurement)' if self.quick else ''}")
         print(f"  device   {e.device_name} ({e.device}), {e.threads} torch threads")
         print(f"  versions torch {e.torch}, triton {e.triton}, fasttrans {e.fasttrans}"
               f"{', CUDA ' + e.cuda if e.cuda else ''}, python {e.python}, commit {e.git_commit or '?'}")
-        print(f"  caches   {args.cache}" + (" (L2 flushed before every call)" if self.device == "cuda" else
-                                                " (caches evicted before every call)" if args.cache == "cold" else
-                                                " (back-to-back calls)"))
+        how = "back-to-back calls" if args.cache == "warm" else "caches flushed before every call"
+        print(f"  caches   {args.cache} ({how})")
         print(f"  results  {self.csv_path}")
-
-    def _flush(self) -> CacheFlush | None:
-        """The CPU cache flush of a --cache cold run, made once; None otherwise."""
-        if self.device == "cuda" or self.args.cache != "cold":
-            return None
-        if self._cache_flush is None:
-            self._cache_flush = CacheFlush()
-        return self._cache_flush
 
     # providers --------------------------------------------------------------------
     def providers(self, op: str | None) -> list[Provider]:
@@ -703,7 +695,7 @@ class Bench:
                 results[e.key] = Result(cfg, *e.key, "error", error=_format_error(err))
         timings: dict = {}
         if fns and "time" in cfg.measure:
-            timings = measure_interleaved(fns, self.device, self.plan, self._flush())
+            timings = measure_interleaved(fns, self.device, self.plan, self.flush)
         for key, fn in fns.items():
             outcome = timings.get(key)
             if isinstance(outcome, BaseException):
