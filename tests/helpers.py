@@ -71,16 +71,27 @@ def make_float_mask(shape, device, dtype=torch.float32, neg_inf_frac: float = 0.
     return m.masked_fill(torch.rand(shape, device=device) < neg_inf_frac, float("-inf"))
 
 
-def huge_score_rows(q: torch.Tensor, mask: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, mask) for rows whose log-sum-exp is huge, where the backward's float32 lse loses
+def huge_score_rows(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, fill):
+    """(q, k, mask) for rows whose log-sum-exp is huge, where the backward's float32 lse loses
     log l: a finite ``fill`` (-1e9, finfo.min, -1e4) on every key of every third row, and on
     half the keys of the next rows (lse of order one there); or, for fill "logits", scores
-    of a few hundred from q . k itself (|lse| > 256 on most rows). mask is filled in place."""
+    of a few hundred from q . k itself (|lse| > 256 on most rows), and for "logits_inexact"
+    the same from unrounded inputs. mask is filled in place.
+
+    For "logits", q holds integers below 2^11 and k multiples of 1/16 below 4, so every
+    partial sum of q . k (D <= 64) is exact in float32 and TF32: the scores have the same
+    bits in any tile shape, summation order or BLAS kernel, and the test checks the kernels'
+    statistics, not how the machine's matmul rounds."""
+    if fill == "logits_inexact":
+        return q * 400, k, mask
     if fill == "logits":
-        return q * 400, mask
+        assert q.shape[-1] <= 64, "exact float32 scores need D <= 64"
+        q = (q * 400).round().clamp(-2047, 2047)
+        k = (k * 16).round().clamp(-63, 63) / 16
+        return q, k, mask
     mask[:, :, ::3] = fill
     mask[:, :, 1::3, : mask.shape[-1] // 2] = fill
-    return q, mask
+    return q, k, mask
 
 
 def subnormal_weight_with_inf_value(Lq: int, Lk: int, dtype: torch.dtype, device="cpu"):

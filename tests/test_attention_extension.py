@@ -290,7 +290,7 @@ def _check_huge_scores(kind, fill, D, device, dropout_p=0.0):
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
     kw = _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True)
     mask = make_float_mask((B, H, Lq, Lk), device)
-    q, kw["attn_mask"] = huge_score_rows(q, mask, fill)
+    q, k, kw["attn_mask"] = huge_score_rows(q, k, mask, fill)
     dout = torch.randn_like(q)
     ref_kw = dict(kw)
     if dropout_p:  # the reference drops what the extension's seed draw drops (its keep-mask hook)
