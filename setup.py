@@ -48,7 +48,7 @@ setup(
     package_dir={"fasttrans.kernels": "kernels", "fasttrans.csrc": "csrc"},
     package_data={"fasttrans.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},
     install_requires=["torch>=2.4", "triton>=3.0; platform_system == 'Linux'", "numpy", "ninja", "tqdm", "matplotlib"],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={"test": ["pytest", "hypothesis", "threadpoolctl"]},
     entry_points={"console_scripts": ["fasttrans=fasttrans.cli:main"]},
     cmdclass={"build_py": BuildPyWithExtension},
 )

@@ -6,8 +6,15 @@ Tests marked ``gpu`` run only with ``pytest -m gpu`` (the default run deselects 
 """
 
 import os
+import sys
 
-import torch
+# OpenMP threads that spin while they wait make the suite many times slower on a machine
+# shared with another busy process (tests/README.md); libgomp reads this when torch loads
+# it, and the tests' subprocesses inherit it.
+assert "torch" not in sys.modules, "tests/conftest.py must set the OpenMP wait policy before torch is imported"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
