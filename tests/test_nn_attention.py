@@ -289,6 +289,37 @@ def test_is_causal_hint_as_torch(truthful, need_weights, with_kpm):
         q, k, v, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights, is_causal=True))
 
 
+def test_trusted_causal_hint_drops_a_mask_of_another_shape_as_torch():
+    """Where torch trusts is_causal (no padding mask, no weights) it drops attn_mask before
+    checking its shape: a (2, 2) mask on a length-1 sequence runs as causal attention."""
+    t, f = _pair(embed_dim=E, num_heads=H, dtype=F64)
+    x = _seq(N, 1, E, False)
+    wrong = torch.zeros(2, 2, dtype=torch.bool)
+    _assert_match(t, f, (x, x, x), lambda m, q, k, v: m(q, k, v, attn_mask=wrong, need_weights=False, is_causal=True))
+    for kwargs in ({"need_weights": True}, {"need_weights": False, "key_padding_mask": torch.zeros(N, 1).bool()}):
+        for mod in (t, f):  # the mask is used there, so both refuse its shape
+            with pytest.raises(RuntimeError, match="attn_mask"):
+                mod(x, x, x, attn_mask=wrong, is_causal=True, **kwargs)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
+def test_in_proj_bias_of_another_dtype_is_promoted_as_torch(need_weights, training):
+    """torch's test_multihead_attn_fast_path_query_and_bias_have_different_dtypes: a float64
+    module whose in_proj_bias became float16 returns float64, the bias added with promotion."""
+    t, f = _pair(embed_dim=4, num_heads=4, batch_first=True, dtype=F64)
+    for mod in (t, f):
+        mod.in_proj_bias = torch.nn.Parameter(mod.in_proj_bias.detach().half())
+        mod.train(training)
+    x = torch.randn(4, 4, 4, dtype=F64)
+    with torch.no_grad():
+        out_t, _ = t(x, x, x, need_weights=need_weights)
+        out_f, _ = f(x, x, x, need_weights=need_weights)
+    assert out_f.dtype == out_t.dtype == F64
+    torch.testing.assert_close(out_f, out_t, **TOL[F64])
+    _assert_match(t, f, (x, x, x), lambda m, q, k, v: m(q, k, v, need_weights=need_weights))
+
+
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
 def test_non_contiguous_inputs_and_masks(need_weights):
     """Transposed views as inputs and masks (strides are not assumed anywhere)."""

@@ -35,11 +35,12 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .. import backends
 from .. import functional as FT
 from . import _inference, _masks
+from ._script import NotScriptable
 
 __all__ = ["MultiheadAttention"]
 
 
-class MultiheadAttention(Module):
+class MultiheadAttention(NotScriptable, Module):
     r"""Multi-head attention, as ``torch.nn.MultiheadAttention``, on fused kernels.
 
     .. math::
@@ -304,7 +305,8 @@ class MultiheadAttention(Module):
             mask_dtypes = None
         else:
             mask_dtypes = (query.dtype, torch.float32)
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask, need_weights, is_causal, n_dim, l_dim,
+                           mask_dtypes)
         return query, key, value, key_padding_mask, is_batched, seq_first
 
     def _check_dims(self, query, key, value, key_padding_mask, attn_mask) -> bool:
@@ -339,7 +341,8 @@ class MultiheadAttention(Module):
                 )
         return batched
 
-    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes) -> None:
+    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, need_weights, is_causal, n_dim, l_dim,
+                      mask_dtypes) -> None:
         """The checks torch makes (or the errors torch's ops raise) on batched inputs, same types."""
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
@@ -378,7 +381,8 @@ class MultiheadAttention(Module):
                     f"{name}: expected a tensor on {weight.device} (the module's device), got {t.device}"
                 )
 
-        if attn_mask is not None:
+        # under a trusted causal hint torch drops attn_mask before checking its shape
+        if attn_mask is not None and not (is_causal and key_padding_mask is None and not need_weights):
             expected = (L, S) if attn_mask.dim() == 2 else (N * self.num_heads, L, S)
             if tuple(attn_mask.shape) != expected:
                 raise RuntimeError(
@@ -417,7 +421,10 @@ class MultiheadAttention(Module):
         w, b = self.in_proj_weight, self.in_proj_bias
 
         def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> tuple[Tensor, ...]:
-            y = F.linear(x, weight, bias)  # (L, N, parts E) | (N, L, parts E)
+            if bias is None or bias.dtype == weight.dtype:
+                y = F.linear(x, weight, bias)  # (L, N, parts E) | (N, L, parts E)
+            else:  # a bias of another dtype is added with type promotion, as torch.nn's matmul + add path does
+                y = F.linear(x, weight) + bias
             y = y.view(y.shape[0], y.shape[1], parts, H, D).unbind(2)  # parts x (L, N, H, D) | (N, L, H, D)
             return tuple(t.permute(1, 2, 0, 3) if seq_first else t.transpose(1, 2) for t in y)
 

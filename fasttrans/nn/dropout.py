@@ -7,11 +7,12 @@ from torch import Tensor
 
 from .. import backends
 from .. import functional as FT
+from ._script import NotScriptable
 
 __all__ = ["Dropout"]
 
 
-class Dropout(torch.nn.Dropout):
+class Dropout(NotScriptable, torch.nn.Dropout):
     r"""``torch.nn.Dropout`` computed by :func:`fasttrans.functional.dropout`.
 
     Same constructor (``p``, ``inplace``), ``repr`` and ``state_dict`` (none) as torch's, and

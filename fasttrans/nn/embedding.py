@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from ._script import NotScriptable
 from .dropout import Dropout
 
 __all__ = ["TokenEmbedding", "PositionalEncoding", "sinusoidal_table"]
@@ -108,7 +109,7 @@ def sinusoidal_table(max_len: int, d_model: int, variant: str = "paper") -> torc
     return pe.float()
 
 
-class PositionalEncoding(nn.Module):
+class PositionalEncoding(NotScriptable, nn.Module):
     """Adds the fixed sinusoidal encoding to embeddings, then applies dropout.
 
     Args:

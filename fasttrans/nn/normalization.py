@@ -16,6 +16,7 @@ from torch.nn import Module, Parameter, init
 
 from .. import backends
 from .. import functional as FT
+from ._script import NotScriptable
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -26,7 +27,7 @@ def _shape(normalized_shape) -> tuple[int, ...]:
     return tuple(normalized_shape)
 
 
-class LayerNorm(Module):
+class LayerNorm(NotScriptable, Module):
     r"""Layer normalisation over the trailing ``normalized_shape`` dims, as ``torch.nn.LayerNorm``.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
@@ -91,7 +92,7 @@ class LayerNorm(Module):
         )
 
 
-class RMSNorm(Module):
+class RMSNorm(NotScriptable, Module):
     r"""Root-mean-square normalisation, as ``torch.nn.RMSNorm``.
 
     .. math:: y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \cdot \gamma

@@ -40,6 +40,7 @@ from torch.nn.init import xavier_uniform_
 from .. import backends
 from .. import functional as FT
 from . import _inference, _masks
+from ._script import NotScriptable
 from .attention import MultiheadAttention
 from .dropout import Dropout
 from .normalization import LayerNorm
@@ -112,7 +113,7 @@ def _add_norm(norm: Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor
     return norm(h), h
 
 
-class TransformerEncoderLayer(Module):
+class TransformerEncoderLayer(NotScriptable, Module):
     r"""Self-attention and feed-forward with residual Add & Norm, as ``torch.nn.TransformerEncoderLayer``.
 
     Args:
@@ -220,7 +221,7 @@ class TransformerEncoderLayer(Module):
         return self.dropout2(x)
 
 
-class TransformerDecoderLayer(Module):
+class TransformerDecoderLayer(NotScriptable, Module):
     r"""Self-attention, cross-attention over ``memory`` and feed-forward, as ``torch.nn.TransformerDecoderLayer``.
 
     Args: as :class:`TransformerEncoderLayer`.
@@ -332,7 +333,7 @@ class TransformerDecoderLayer(Module):
         return self.dropout3(x)
 
 
-class TransformerEncoder(Module):
+class TransformerEncoder(NotScriptable, Module):
     r"""A stack of ``num_layers`` deep copies of ``encoder_layer``, as ``torch.nn.TransformerEncoder``.
 
     Args:
@@ -391,7 +392,7 @@ class TransformerEncoder(Module):
         return output
 
 
-class TransformerDecoder(Module):
+class TransformerDecoder(NotScriptable, Module):
     r"""A stack of ``num_layers`` deep copies of ``decoder_layer``, as ``torch.nn.TransformerDecoder``.
 
     Args:
@@ -444,7 +445,7 @@ class TransformerDecoder(Module):
         return output
 
 
-class Transformer(Module):
+class Transformer(NotScriptable, Module):
     r"""Encoder-decoder Transformer ("Attention Is All You Need"), as ``torch.nn.Transformer``.
 
     Args:
