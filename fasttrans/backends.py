@@ -20,7 +20,8 @@ attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout
     q (B, H, Lq, D), k/v (B, Hkv, Lk, D), each with stride(-1) == 1 (other strides arbitrary).
     attn_mask: None, or (B, H, Lq, Lk) bool (True = may attend) or float (q.dtype or fp32,
     added to the scaled scores); broadcast dims have stride 0 and must be read as such.
-    key_lengths: None or contiguous int32 (B,) on q.device with values in [0, Lk].
+    key_lengths: None or contiguous int32 (B,) on q.device; values outside [0, Lk] (unchecked on a
+        GPU, where reading them would synchronise) are clamped to it.
     Rows with no allowed key: out = 0, lse = +inf.
     Dropout (dropout_p > 0): keep(b, h, i, j) is a pure function of (seed, b, h, i, j);
     probabilities are multiplied by keep / (1 - dropout_p) after the softmax.

@@ -225,11 +225,13 @@ def _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offse
             raise ShapeError(f"key_lengths: expected shape ({B},), got {tuple(key_lengths.shape)}")
         if key_lengths.device.type != "cpu":
             _check_device("key_lengths", key_lengths, q.device)
-        if not _is_compiling() and B > 0:
-            if key_lengths.device.type == "cpu" and B <= 64:  # a few values: read them (1 us, not 3)
+        # Lengths on the host are checked; lengths on a device are not read (that would
+        # synchronise every call): the kernels clamp them to [0, Lk], as the reference's masks do.
+        if not _is_compiling() and B > 0 and key_lengths.device.type == "cpu":
+            if B <= 64:  # a few values: reading them is cheaper than a reduction
                 values = key_lengths.tolist()
                 lo, hi = min(values), max(values)
-            else:  # one host sync for both bounds (key_lengths may live on the GPU)
+            else:
                 lo, hi = (int(t) for t in torch.stack(torch.aminmax(key_lengths)).tolist())
             if lo < 0 or hi > Lk:
                 raise ShapeError(f"key_lengths: expected values in [0, {Lk}] (the key length), got [{lo}, {hi}]")
@@ -319,7 +321,10 @@ def attention(
         k, v: (B, Hkv, Lk, D) keys and values; H must be a multiple of Hkv (grouped-query).
         attn_mask: bool (True = may attend, as in F.scaled_dot_product_attention) or float
             (added to the scores), broadcastable to (B, H, Lq, Lk).
-        key_lengths: (B,) integers; key positions >= key_lengths[b] are masked.
+        key_lengths: (B,) integers; key positions >= key_lengths[b] are masked. Values
+            must lie in [0, Lk]: on the CPU they are checked (``ShapeError``); on a GPU they
+            are not read on the host, which would synchronise, and the kernels clamp them
+            to [0, Lk].
         is_causal: query i attends keys j <= i + causal_offset.
         causal_offset: diagonal offset; Lk - Lq gives bottom-right alignment (decoding).
         dropout_p: dropout probability on the attention weights (1 drops every weight: zeros).

@@ -405,7 +405,7 @@ def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M
     tiles (causal diagonal, last partial tile); beyond hi nothing is loaded."""
     kv_len = Lk
     if HAS_KEY_LENGTHS:
-        kv_len = tl.load(KeyLengths + off_b)
+        kv_len = tl.minimum(tl.maximum(tl.load(KeyLengths + off_b), 0), Lk)  # unchecked on a GPU
     hi = kv_len
     full_end = kv_len
     if IS_CAUSAL:
@@ -801,7 +801,7 @@ def _attention_bwd_dkdv_kernel(
 
     kv_len = Lk
     if HAS_KEY_LENGTHS:
-        kv_len = tl.load(KeyLengths + off_b)
+        kv_len = tl.minimum(tl.maximum(tl.load(KeyLengths + off_b), 0), Lk)  # unchecked on a GPU
     col_ok = cols < kv_len  # keys past the length are never loaded; their gradients are 0
     k = _load_tile(K + off_b * stride_k_b + off_hkv * stride_k_h + start_n64 * stride_k_n
                    + cols_local[:, None] * stride_k_n + offs_d[None, :], col_ok, d_ok, True, MASK_D)

@@ -280,6 +280,42 @@ def test_backward_is_deterministic(device):
         assert torch.equal(first[name], second[name]), f"{name} differs between two identical runs"
 
 
+# Lengths on a GPU are not read on the host (fasttrans.attention's docstring): the kernels
+# clamp them to [0, Lk], so lengths out of range give exactly what the clamped ones give.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_key_lengths_out_of_range_are_clamped(is_causal, device):
+    B, H, Hkv, Lq, Lk, D = 3, 2, 1, 9, 21, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    dout = torch.randn(q.shape, device=device)
+    wild = torch.tensor([-4, Lk + 7, 2**30], dtype=torch.int32, device=device)
+    clamped = wild.clamp(0, Lk)
+    runs = []
+    for lengths in (wild, clamped):
+        out, lse = K.attention_fwd(q, k, v, None, lengths, is_causal, 0, 0.0, D ** -0.5, 0)
+        grads = K.attention_bwd(dout, q, k, v, out, lse, None, lengths, is_causal, 0, 0.0, D ** -0.5, 0, False)
+        runs.append((out, lse, *grads[:3]))
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], *runs):
+        assert torch.equal(a, b), name
+    ref = reference.attention(q, k, v, key_lengths=clamped, is_causal=is_causal)
+    torch.testing.assert_close(runs[0][0], ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("B", [3, 65], ids=["few", "many"])
+def test_device_key_lengths_cost_no_host_sync(B):
+    q, k, v = (t.half() for t in _inputs(B, 2, 1, 64, 80, 64, "cuda"))
+    lengths = torch.randint(0, 81, (B,), device="cuda")
+    _triton(q, k, v, key_lengths=lengths)  # compiles and tunes (which synchronises) once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = _triton(q, k, v, key_lengths=lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, reference.attention(q, k, v, key_lengths=lengths), atol=2e-3, rtol=2e-3)
+
+
 # An inf in v behind a weight below float32's smallest normal (the reference: 5.5e-42 * inf =
 # inf). Through the interpreter the kernels give inf (tests/test_bad_inputs_fuzz.py); this
 # pins what the compiled kernels do.
