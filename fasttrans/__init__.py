@@ -1,6 +1,6 @@
 """fasttrans: the textbook Transformer on fused kernels, as a drop-in for torch.nn.
 
-Public API (re-exports only; see DESIGN.md in the README's architecture section):
+Public API (re-exports only; the layers below are described in docs/design.md):
 
     fasttrans.attention, fasttrans.layer_norm, fasttrans.add_layer_norm, fasttrans.rms_norm
     fasttrans.use_backend            force a backend for a block of code

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference implementations: the oracle every backend is tested against.
 
 Written for clarity, not speed: attention materialises the full (B, H, Lq, Lk) score
-matrix, and every mask kind of the op contract (see DESIGN.md) is applied in the most
+matrix, and every mask kind of the op contract (docs/design.md) is applied in the most
 literal way. Nothing here is fused and nothing is clever.
 
 Shapes

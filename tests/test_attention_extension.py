@@ -171,7 +171,7 @@ def test_head_dims(ext, device, D):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp64_matches_reference(ext, device):
     require_extension(device, "attention")
-    if device == "cuda":  # float64 runs on the CPU kernels only (DESIGN.md): a named error
+    if device == "cuda":  # float64 runs on the CPU kernels only (docs/design.md): a named error
         q, k, v = _qkv(1, 2, 1, 3, 5, 8, torch.float64, device)
         with fasttrans.use_backend("extension"), pytest.raises(
                 RuntimeError, match=r"^q: the CUDA kernels support float32, float16 and bfloat16, got Double"):

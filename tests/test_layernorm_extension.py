@@ -121,7 +121,7 @@ def test_matches_reference_other_dtypes(ext, device, kind, dtype):
     x = torch.randn(M, N, device=device, dtype=dtype)
     r = torch.randn(M, N, device=device, dtype=dtype) if kind == "add_layer_norm" else None
     w, b = torch.randn(N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)
-    if device == "cuda" and dtype == torch.float64:  # float64 runs on the CPU kernels only (DESIGN.md)
+    if device == "cuda" and dtype == torch.float64:  # float64 runs on the CPU kernels only (docs/design.md)
         with pytest.raises(RuntimeError, match=r"^x: the CUDA kernels support float32, float16 and bfloat16, got Double"):
             norm_call(kind, _extension_module(), x, r, w, None if kind == "rms_norm" else b, 1e-5)
         return
