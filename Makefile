@@ -29,7 +29,7 @@ $(STAMP): setup.py
 	fi
 	$(PYTHON) -m pip install --quiet "setuptools>=70" wheel
 	$(PYTHON) -c "import torch" >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install --quiet --no-build-isolation -e ".[test]"
+	$(PYTHON) -m pip install --quiet --no-build-isolation -e ".[test,demo]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -47,8 +47,12 @@ setup(
     packages=["fasttrans", "fasttrans.nn", "fasttrans.models", "fasttrans.tasks", "fasttrans.kernels", "fasttrans.csrc"],
     package_dir={"fasttrans.kernels": "kernels", "fasttrans.csrc": "csrc"},
     package_data={"fasttrans.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},
-    install_requires=["torch>=2.4", "triton>=3.0; platform_system == 'Linux'", "numpy", "ninja", "tqdm", "matplotlib"],
-    extras_require={"test": ["pytest", "hypothesis", "threadpoolctl"]},
+    install_requires=["torch>=2.4", "triton>=3.0; platform_system == 'Linux'", "ninja"],
+    # the demo and training command (progress bars, the loss plot) and the test suite need more than the library
+    extras_require={
+        "demo": ["tqdm", "matplotlib"],
+        "test": ["pytest", "hypothesis", "threadpoolctl", "numpy", "tqdm", "matplotlib"],
+    },
     entry_points={"console_scripts": ["fasttrans=fasttrans.cli:main"]},
     cmdclass={"build_py": BuildPyWithExtension},
 )

@@ -145,7 +145,24 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     norm.add_argument("--post-norm", dest="norm_first", action="store_const", const=False)
 
 
+def _missing_demo_packages() -> list[str]:
+    """The packages of the ``demo`` extra (progress bars, the loss plot) that do not import."""
+    missing = []
+    for name in ("matplotlib", "tqdm"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def _train(args: argparse.Namespace, task: str) -> int:
+    missing = _missing_demo_packages()
+    if missing:
+        print(f"fasttrans {args.command}: error: training needs {' and '.join(missing)}, which the library itself "
+              f"does not; install them with: pip install 'fasttrans[demo]' (or: pip install {' '.join(missing)})",
+              file=sys.stderr)
+        return 2
     from fasttrans import train
 
     overrides = {name: getattr(args, name) for name in _TRAIN_FLAGS}

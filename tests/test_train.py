@@ -248,6 +248,18 @@ def test_demo_recipe_learns_the_task(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("absent", [["matplotlib"], ["tqdm"], ["matplotlib", "tqdm"]], ids="+".join)
+def test_demo_without_its_extra_says_what_to_install(tmp_path, capsys, monkeypatch, absent):
+    """matplotlib and tqdm are the demo extra's, not the library's: without them the demo
+    stops before training and names the packages and the extra."""
+    for name in absent:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    assert cli.main(["demo", "--out-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'fasttrans[demo]'" in err and all(name in err for name in absent)
+    assert not any(tmp_path.iterdir()), "nothing should be trained or written"
+
+
 def test_cli_errors_are_reported(tmp_path, capsys, monkeypatch):
     (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
     argv = ["train", "--task", "translate", "--out-dir", str(tmp_path), "--no-progress", "--resume"]
