@@ -932,7 +932,7 @@ def test_gradients_of_rows_of_huge_scores(backend, fill):
 # products, 40 from tiles of K transposed per block, 300 from the transposed copy of K (in
 # several query blocks); Lk = 300 puts the inf key in a later key tile than the largest score.
 # The Triton cases run through the interpreter, whose exp2 keeps subnormals (on a GPU it is
-# ex2.approx.ftz.f32: see the README).
+# ex2.approx.ftz.f32: see docs/semantics.md, "Subnormal weights").
 @pytest.mark.parametrize("backend,dtype", [
     ("extension", F32), ("extension", BF16), ("extension", F64),
     pytest.param("triton", F32, marks=needs_triton), pytest.param("triton", BF16, marks=needs_triton),
