@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .dropout_spec import FLAT_DOMAIN, dropout_threshold  # noqa: F401  (the shared definition)
+
 __all__ = [
     "attention",
     "attention_with_lse",
@@ -225,7 +227,6 @@ def rms_norm(
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (Weyl sequence)
-FLAT_DOMAIN = 0x44524F50  # last counter word of elementwise dropout ("DROP")
 
 
 def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,13 +250,6 @@ def philox4x32_10(c0, c1, c2, c3, seed: int) -> tuple[torch.Tensor, ...]:
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
     return c0, c1, c2, c3
-
-
-def dropout_threshold(p: float) -> int:
-    """round(p * 2^24), as csrc/philox.h's dropout_threshold: a word is kept when
-    (word >> 8) >= threshold, P(keep) = 1 - p."""
-    t = float(p) * 16777216.0 + 0.5  # the same double operations as the C++ code
-    return 16777216 if t >= 16777216.0 else int(t)
 
 
 def _keep(words: tuple[torch.Tensor, ...], n: int, p: float) -> torch.Tensor:

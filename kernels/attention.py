@@ -93,7 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttrans.reference import dropout_threshold
+from fasttrans.dropout_spec import dropout_threshold
 
 from . import LAUNCH_OPTIONS, cdiv, next_power_of_2
 

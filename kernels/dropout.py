@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttrans.reference import FLAT_DOMAIN, dropout_threshold
+from fasttrans.dropout_spec import FLAT_DOMAIN, dropout_threshold
 
 from . import LAUNCH_OPTIONS, cdiv
 
@@ -85,7 +85,7 @@ CONFIG = DropoutConfig(BLOCK=2048, num_warps=4)
 NUM_STAGES = 1  # no tl.dot: software pipelining has nothing to do
 # Last Philox counter word of elementwise dropout ("DROP", kFlatDomain in csrc/philox.h);
 # attention's dropout uses that word for the batch index, so the two never share counters.
-# It and dropout_threshold are the definitions fasttrans.reference evaluates.
+# It and dropout_threshold come from fasttrans/dropout_spec.py, which the reference evaluates too.
 _FLAT_DOMAIN = tl.constexpr(FLAT_DOMAIN)  # the kernels' copy (jit code reads only constexpr globals)
 
 
