@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import dataclasses
 import importlib
 import os
@@ -429,23 +428,6 @@ def use_backend(name: str | None) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
-
-
-def pinnable(forward):
-    """Decorates a module's forward: a module whose ``_fasttrans_backend`` attribute names a
-    backend (``fasttrans.convert(model, backend=...)`` sets it) runs under
-    ``use_backend(that name)``. An attribute, unlike a replaced bound forward, goes with the
-    module into deep copies, clones and pickles."""
-
-    @functools.wraps(forward)
-    def run(self, *args, **kwargs):
-        backend = self.__dict__.get("_fasttrans_backend")
-        if backend is None:
-            return forward(self, *args, **kwargs)
-        with use_backend(backend):
-            return forward(self, *args, **kwargs)
-
-    return run
 
 
 def current_forced_backend() -> str | None:

@@ -16,6 +16,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 from . import backends, reference
+from .backends import use_backend  # the op layer's backend control, for the layers above
 
 __all__ = [
     "attention",
@@ -26,6 +27,7 @@ __all__ = [
     "rms_norm",
     "dropout",
     "dropout_mask",
+    "use_backend",
     "ShapeError",
     "DTypeError",
     "DeviceError",

@@ -48,11 +48,6 @@ CORE = {"backends", "functional", "nn"}  # the chain that may not skip a layer
 
 # Violations still in the code: (kind, importer, imported) -> what removes it.
 KNOWN = {
-    ("skips a layer", "fasttrans.nn.attention", "fasttrans.backends"):
-        "backend pins on modules (backends.pinnable) reached through functional",
-    ("skips a layer", "fasttrans.nn.dropout", "fasttrans.backends"): "as above",
-    ("skips a layer", "fasttrans.nn.normalization", "fasttrans.backends"): "as above",
-    ("skips a layer", "fasttrans.nn.transformer", "fasttrans.backends"): "as above",
     ("skips a layer", "fasttrans.nn._masks", "fasttrans.extension"):
         "the C++ mask helpers reached through functional and backends",
     ("skips a layer", "fasttrans.functional", "fasttrans.reference"):

@@ -32,9 +32,9 @@ from torch.nn import Module, Parameter
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .. import backends
 from .. import functional as FT
 from . import _inference, _masks
+from ._pinning import pinnable
 from ._script import NotScriptable
 
 __all__ = ["MultiheadAttention"]
@@ -185,7 +185,7 @@ class MultiheadAttention(NotScriptable, Module):
     # ----------------------------------------------------------------------------------
     # forward
     # ----------------------------------------------------------------------------------
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         query: Tensor,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import backends
 from .. import functional as FT
+from ._pinning import pinnable
 from ._script import NotScriptable
 
 __all__ = ["Dropout"]
@@ -23,6 +23,6 @@ class Dropout(NotScriptable, torch.nn.Dropout):
     (seeded from torch's default generator), so they differ from torch.nn.Dropout's.
     """
 
-    @backends.pinnable
+    @pinnable
     def forward(self, input: Tensor) -> Tensor:
         return FT.dropout(input, self.p, self.training, self.inplace)

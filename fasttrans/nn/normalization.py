@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter, init
 
-from .. import backends
 from .. import functional as FT
+from ._pinning import pinnable
 from ._script import NotScriptable
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -78,7 +78,7 @@ class LayerNorm(NotScriptable, Module):
             if self.bias is not None:
                 init.zeros_(self.bias)
 
-    @backends.pinnable
+    @pinnable
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, Tensor) and not input.is_floating_point():
             # torch's kernel dispatch raises NotImplementedError for integer inputs
@@ -139,7 +139,7 @@ class RMSNorm(NotScriptable, Module):
         if self.elementwise_affine:
             init.ones_(self.weight)
 
-    @backends.pinnable
+    @pinnable
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, Tensor) and not x.is_floating_point():
             # torch's kernel dispatch raises NotImplementedError for integer inputs

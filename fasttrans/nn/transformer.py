@@ -37,9 +37,9 @@ from torch import Tensor
 from torch.nn import Linear, Module, ModuleList
 from torch.nn.init import xavier_uniform_
 
-from .. import backends
 from .. import functional as FT
 from . import _inference, _masks
+from ._pinning import pinnable
 from ._script import NotScriptable
 from .attention import MultiheadAttention
 from .dropout import Dropout
@@ -179,7 +179,7 @@ class TransformerEncoderLayer(NotScriptable, Module):
         if not hasattr(self, "activation"):
             self.activation = F.relu
 
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         src: Tensor,
@@ -273,7 +273,7 @@ class TransformerDecoderLayer(NotScriptable, Module):
             state["activation"] = F.relu
         super().__setstate__(state)
 
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         tgt: Tensor,
@@ -363,7 +363,7 @@ class TransformerEncoder(NotScriptable, Module):
         self.use_nested_tensor = False
         self.mask_check = mask_check
 
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         src: Tensor,
@@ -409,7 +409,7 @@ class TransformerDecoder(NotScriptable, Module):
         self.num_layers = num_layers
         self.norm = norm
 
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         tgt: Tensor,
@@ -513,7 +513,7 @@ class Transformer(NotScriptable, Module):
         self.nhead = nhead
         self.batch_first = batch_first
 
-    @backends.pinnable
+    @pinnable
     def forward(
         self,
         src: Tensor,
