@@ -336,14 +336,16 @@ def attention(
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
-    return _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+    return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
 
 
-def _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
-    """:func:`attention` on arguments that are valid by construction (fasttrans.nn builds
-    them after its own checks), without the checks that would cost every call again."""
+def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
+    """:func:`attention` with positional arguments that are valid by construction, without
+    the checks that would cost every call again: the entry point of the layers above
+    (``fasttrans.nn`` and ``fasttrans.models`` build the arguments after their own checks).
+    Not for users: invalid arguments here are not reported."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
-        return _attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
+        return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
     causal_offset = _causal_offset(causal_offset, q, k)
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     # empty outputs (no batch, head or query) need no kernel; the reference's PyTorch ops

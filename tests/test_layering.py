@@ -52,9 +52,6 @@ KNOWN = {
         "the C++ mask helpers reached through functional and backends",
     ("skips a layer", "fasttrans.functional", "fasttrans.reference"):
         "fallbacks to the reference run as the reference backend's ops",
-    ("private name", "fasttrans.nn.attention", "fasttrans.functional._attention"):
-        "a documented functional entry point for arguments validated by the module",
-    ("private name", "fasttrans.models.decoding", "fasttrans.functional._attention"): "as above",
     ("private name", "fasttrans.nn._inference", "fasttrans.functional._layer_inference_op"):
         "the CPU inference path behind one seam (docs/design.md)",
     ("private name", "fasttrans.nn._inference", "fasttrans.functional._attention_inference_op"): "as above",

@@ -728,14 +728,14 @@ def test_translate_while_compiling_uses_dense_masks(monkeypatch):
 def test_module_hands_fast_forms_to_the_op(monkeypatch):
     """A causal mask and a right-padded key_padding_mask reach fasttrans.attention as is_causal / key_lengths."""
     calls = []
-    real = fasttrans.nn.attention.FT._attention  # fasttrans.attention without its argument checks
+    real = fasttrans.nn.attention.FT.attention_prevalidated  # fasttrans.attention without its argument checks
     names = ("q", "k", "v", "attn_mask", "key_lengths", "is_causal", "causal_offset", "dropout_p", "scale")
 
     def spy(*args):
         calls.append(dict(zip(names, args)))
         return real(*args)
 
-    monkeypatch.setattr(fasttrans.nn.attention.FT, "_attention", spy)
+    monkeypatch.setattr(fasttrans.nn.attention.FT, "attention_prevalidated", spy)
     f = fnn.MultiheadAttention(E, H, dtype=F64)
     x = _seq(N, L, E, False)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)

@@ -107,13 +107,13 @@ def _self_attention(attn, x: torch.Tensor, lc: _LayerCache, start: int) -> torch
     values = lc.self_v[:, :, : start + n]
     # bottom-right causal: new query i sits at absolute position start + i = (Lk - Lq) + i;
     # fasttrans.attention without its argument checks: the operands are the model's own
-    out = ft._attention(q, keys, values, None, None, True, keys.shape[2] - n, 0.0, None)
+    out = ft.attention_prevalidated(q, keys, values, None, None, True, keys.shape[2] - n, 0.0, None)
     return attn.out_proj(_merge_heads(out))
 
 
 def _cross_attention(attn, x: torch.Tensor, lc: _LayerCache, cache: DecoderCache) -> torch.Tensor:
     q = _split_heads(_in_proj(attn, x, slice(0, attn.embed_dim)), attn.num_heads)  # (B, H, n, Dh)
-    out = ft._attention(q, lc.cross_k, lc.cross_v, cache.memory_mask, cache.memory_lengths, False, 0, 0.0, None)
+    out = ft.attention_prevalidated(q, lc.cross_k, lc.cross_v, cache.memory_mask, cache.memory_lengths, False, 0, 0.0, None)
     return attn.out_proj(_merge_heads(out))
 
 

@@ -260,7 +260,7 @@ class MultiheadAttention(NotScriptable, Module):
                 weights = weights.mean(dim=1)  # (N, L, S')
         else:
             # the arguments are valid by construction (the checks above, the translated masks)
-            out = FT._attention(
+            out = FT.attention_prevalidated(
                 q, k, v, masks.attn_mask, masks.key_lengths, masks.is_causal, 0, dropout_p, None,
             )  # (N, H, L, D)
 
