@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _version() -> str:
-    with open(os.path.join(HERE, "fasttrans", "__init__.py")) as f:
+    with open(os.path.join(HERE, "fasttrans", "version.py")) as f:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 

@@ -8,7 +8,7 @@ Public API (re-exports only; the layers below are described in docs/design.md):
     fasttrans.models                 Seq2SeqTransformer and decoding
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .backends import BackendUnavailableError, available_backends, use_backend
 from .functional import add_layer_norm, attention, layer_norm, rms_norm

@@ -43,7 +43,7 @@ from typing import Iterator
 
 import torch
 
-from . import __version__
+from .version import __version__
 
 __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
 

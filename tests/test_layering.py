@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a layer (the bottom layer's parts must not import each other). Longest prefix wins.
 LAYERS = [
     ("fasttrans.dropout_spec", 0, "neutral"),
+    ("fasttrans.version", 0, "neutral"),
     ("fasttrans.reference", 1, "reference"),
     ("fasttrans.kernels", 1, "kernels"),
     ("fasttrans.extension", 1, "extension"),
@@ -59,7 +60,6 @@ KNOWN = {
     ("private name", "fasttrans.models.decoding", "fasttrans.nn._inference"): "as above",
     ("cycle", "fasttrans.nn._inference", "fasttrans.nn.attention"): "as above",
     ("private name", "fasttrans.models.decoding", "fasttrans.nn._masks"): "a public mask-translation entry point",
-    ("imports upward", "fasttrans.extension", "fasttrans"): "the version read from the package's metadata",
 }
 
 
