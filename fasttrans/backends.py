@@ -63,7 +63,7 @@ from typing import Callable, Iterator
 import torch
 from torch.library import custom_op, register_autograd, register_fake
 
-from . import reference
+from . import extension, reference
 
 __all__ = [
     "BACKENDS",
@@ -428,6 +428,12 @@ def use_backend(name: str | None) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def mask_helpers() -> tuple | None:
+    """The extension's one-pass answers about a CPU mask's values (fasttrans.extension.
+    mask_helpers) once the extension is loaded in this process; None before."""
+    return extension.mask_helpers()
 
 
 def current_forced_backend() -> str | None:

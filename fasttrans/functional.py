@@ -16,7 +16,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 from . import backends, reference
-from .backends import use_backend  # the op layer's backend control, for the layers above
+from .backends import mask_helpers, use_backend  # for the layers above: mask checks, backend control
 
 __all__ = [
     "attention",

@@ -49,8 +49,6 @@ CORE = {"backends", "functional", "nn"}  # the chain that may not skip a layer
 
 # Violations still in the code: (kind, importer, imported) -> what removes it.
 KNOWN = {
-    ("skips a layer", "fasttrans.nn._masks", "fasttrans.extension"):
-        "the C++ mask helpers reached through functional and backends",
     ("skips a layer", "fasttrans.functional", "fasttrans.reference"):
         "fallbacks to the reference run as the reference backend's ops",
     ("private name", "fasttrans.nn._inference", "fasttrans.functional._layer_inference_op"):

@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from .. import extension
+from .. import functional as FT
 
 __all__ = [
     "OpMasks",
@@ -162,10 +162,10 @@ def detect_is_causal_mask(mask: Tensor | None, is_causal: bool | None, size: int
 
 def _cpu_helpers(mask: Tensor) -> tuple | None:
     """The extension's one-pass answers for a plain CPU tensor in eager mode, when the
-    extension is loaded (fasttrans.extension.mask_helpers); None where the PyTorch ops
-    below must answer: other devices, tensors under a torch.func transform or that need a
-    gradient, and processes that have not loaded the extension."""
-    helpers = extension.mask_helpers()
+    extension is loaded (functional.mask_helpers); None where the PyTorch ops below must
+    answer: other devices, tensors under a torch.func transform or that need a gradient,
+    and processes that have not loaded the extension."""
+    helpers = FT.mask_helpers()
     if (helpers is None or type(mask) is not torch.Tensor or mask.device.type != "cpu" or mask.requires_grad
             or torch._C._functorch.maybe_current_level() is not None):
         return None
