@@ -58,8 +58,8 @@ def test_export_seq2seq_forward():
 
 @pytest.mark.slow
 def test_aoti_package_of_an_encoder_layer(tmp_path):
-    """AOTInductor compiles the exported layer into a package (about a minute of C++
-    compilation on a 2-core CPU) that loads and matches eager."""
+    """AOTInductor compiles the exported layer into a package (C++ compilation: slow) that
+    loads and matches eager."""
     layer = _encoder_layer()
     x, pad = torch.randn(3, 7, 16), _padding(3, 7, 0)
     program = torch.export.export(layer, (x,), {"src_key_padding_mask": pad})
