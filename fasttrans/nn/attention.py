@@ -305,8 +305,7 @@ class MultiheadAttention(NotScriptable, Module):
             mask_dtypes = None
         else:
             mask_dtypes = (query.dtype, torch.float32)
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, need_weights, is_causal, n_dim, l_dim,
-                           mask_dtypes)
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes)
         return query, key, value, key_padding_mask, is_batched, seq_first
 
     def _check_dims(self, query, key, value, key_padding_mask, attn_mask) -> bool:
@@ -341,9 +340,9 @@ class MultiheadAttention(NotScriptable, Module):
                 )
         return batched
 
-    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, need_weights, is_causal, n_dim, l_dim,
-                      mask_dtypes) -> None:
-        """The checks torch makes (or the errors torch's ops raise) on batched inputs, same types."""
+    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask, n_dim, l_dim, mask_dtypes) -> None:
+        """The checks torch makes (or the errors torch's ops raise) on batched inputs, same types.
+        ``mask_dtypes`` is None exactly where torch drops attn_mask (the trusted causal hint)."""
         N, L, E = query.shape[n_dim], query.shape[l_dim], query.shape[2]
         S = key.shape[l_dim]
         if E != self.embed_dim:
@@ -381,8 +380,8 @@ class MultiheadAttention(NotScriptable, Module):
                     f"{name}: expected a tensor on {weight.device} (the module's device), got {t.device}"
                 )
 
-        # under a trusted causal hint torch drops attn_mask before checking its shape
-        if attn_mask is not None and not (is_causal and key_padding_mask is None and not need_weights):
+        # a dropped attn_mask (mask_dtypes None) is never shape-checked, as in torch
+        if attn_mask is not None and mask_dtypes is not None:
             expected = (L, S) if attn_mask.dim() == 2 else (N * self.num_heads, L, S)
             if tuple(attn_mask.shape) != expected:
                 raise RuntimeError(
