@@ -83,8 +83,6 @@ thread.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import itertools
 import os
@@ -95,7 +93,8 @@ import triton.language as tl
 
 from fasttrans.dropout_spec import dropout_threshold
 
-from . import LAUNCH_OPTIONS, cdiv, next_power_of_2
+from . import capability, cdiv, device_index, next_power_of_2, on_device
+from ._launch import Launcher
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
@@ -285,12 +284,7 @@ def _precision_class(dtype: torch.dtype) -> str:
 
 
 def _gpu_arch(device: torch.device) -> str:
-    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _arch_of(index: int) -> str:  # every launch asks; a device's capability never changes
-    return "sm_90" if torch.cuda.get_device_capability(index)[0] >= 9 else "sm_80"
+    return "sm_90" if capability(device_index(device))[0] >= 9 else "sm_80"
 
 
 def _head_dim_class(block_d: int) -> int:
@@ -1004,10 +998,21 @@ def _attention_dropout_mask_kernel(
 # --------------------------------------------------------------------------------------
 # Autotuned wrappers (GPU): one per kernel, head-dim class and weight
 # --------------------------------------------------------------------------------------
+# Outputs each launcher allocates whole, in dtypes the other arguments fix (kernels._launch)
+_FRESH = {
+    _attention_fwd_kernel: ("Out", "Lse"),
+    _attention_bwd_preprocess_kernel: ("DOr",),
+    _attention_bwd_exact_rows_kernel: (),
+    _attention_bwd_dkdv_kernel: ("DK", "DV"),
+    _attention_bwd_dq_kernel: ("DQ", "DMask"),
+    _attention_dropout_mask_kernel: ("Keep",),
+}
+
+
 def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
     """{(precision class, arch, head-dim class, weight): autotuner over that entry's configurations}."""
     key = _TUNE_KEY + list(extra_key)
-    return {(precision, arch, *k): triton.autotune(configs=cfgs, key=key)(kernel)
+    return {(precision, arch, *k): Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel])
             for precision, configs in tables.items()
             for arch, table in configs.items() for k, cfgs in table.items()}
 
@@ -1038,9 +1043,13 @@ def _check_dtype(q: torch.Tensor) -> None:
         )
 
 
+_PLAIN = {kernel: Launcher(kernel, fresh) for kernel, fresh in _FRESH.items()}
+
+
 def _run(kernel, cfg: triton.Config, grid, args, constexprs) -> None:
-    kernel[grid(cfg.kwargs)](*args, **constexprs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                              **LAUNCH_OPTIONS)
+    """Run ``kernel`` with one fixed configuration (the caller holds the device guard)."""
+    _PLAIN[kernel](grid(cfg.kwargs), args, {**constexprs, **cfg.kwargs}, args[0].device.index,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
@@ -1056,10 +1065,7 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
     cls = (_head_dim_class(constexprs["BLOCK_D"]), _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
         constexprs = dict(constexprs, INPUT_PRECISION="ieee")
-    key = (precision, arch, *cls)
-    device = q.device
-    with torch.cuda.device(device):
-        tuned[key][grid](*args, **constexprs, **LAUNCH_OPTIONS)
+    tuned[(precision, arch, *cls)](grid, args, constexprs, q.device.index)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -1142,8 +1148,9 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
         int(seed), _bucket(Lq), _bucket(Lk),
     )
-    _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-            args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
+    with on_device(q):
+        _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
     return out, lse
 
 
@@ -1178,7 +1185,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         ieee = (_precision_class(q.dtype) == "fp32"
                 and (dclass, _weight(feats["MASK_KIND"], feats["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
         exact_feats = dict(feats, INPUT_PRECISION="ieee") if ieee else feats
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
              dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
@@ -1187,32 +1194,32 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
               H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
              {n: v for n, v in exact_feats.items() if n != "HAS_DROPOUT"})  # l is the undropped sum
 
-    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
-              int(seed), *buckets)
-    for output in _dkdv_outputs(feats["BLOCK_D"]):
+        common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
+                  int(seed), *buckets)
+        for output in _dkdv_outputs(feats["BLOCK_D"]):
+            _launch(
+                _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
+                (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
+                 *q.stride()[:3],
+                 *k.stride()[:3],
+                 *v.stride()[:3],
+                 *dout_r.stride()[:3],
+                 *dk.stride()[:3],
+                 *dv.stride()[:3],
+                 *mstride, *common),
+                dict(feats, OUTPUT=output),
+            )
         _launch(
-            _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-            (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
+            _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+            (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
              *q.stride()[:3],
              *k.stride()[:3],
              *v.stride()[:3],
              *dout_r.stride()[:3],
-             *dk.stride()[:3],
-             *dv.stride()[:3],
+             *dq.stride()[:3],
              *mstride, *common),
-            dict(feats, OUTPUT=output),
+            dict(feats, MASK_GRAD=bool(mask_grad)),
         )
-    _launch(
-        _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-        (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
-         *q.stride()[:3],
-         *k.stride()[:3],
-         *v.stride()[:3],
-         *dout_r.stride()[:3],
-         *dq.stride()[:3],
-         *mstride, *common),
-        dict(feats, MASK_GRAD=bool(mask_grad)),
-    )
     return dq, dk, dv, dmask
 
 
@@ -1224,7 +1231,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
     if Lk == 0:
         return keep.view(torch.bool)
     cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         _run(_attention_dropout_mask_kernel, cfg, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), {})
     return keep.view(torch.bool)

@@ -42,7 +42,6 @@ sm_80 and sm_90 (``compile_targets()``, checked by ``python -m fasttrans compile
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import struct
@@ -53,7 +52,8 @@ import triton.language as tl
 
 from fasttrans.dropout_spec import FLAT_DOMAIN, dropout_threshold
 
-from . import LAUNCH_OPTIONS, cdiv
+from . import cdiv, on_device
+from ._launch import Launcher
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
            "CONFIG"]
@@ -201,8 +201,9 @@ def _rne_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _on_device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+# outputs allocated here, in dtypes fixed by the inputs (see kernels._launch.Launcher)
+_FWD = Launcher(_dropout_fwd_kernel, fresh=("Y", "Keep"))
+_BWD = Launcher(_dropout_bwd_kernel, fresh=("DX",))
 
 
 def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig | None = None):
@@ -218,12 +219,10 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
     keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     numel = x.numel()
     if numel:
-        with _on_device(x):
-            _dropout_fwd_kernel[(cdiv(numel, cfg.BLOCK),)](
-                x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p),
-                BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(x.dtype),
-                num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
-            )
+        with on_device(x):
+            _FWD((cdiv(numel, cfg.BLOCK),), (x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p)),
+                 dict(BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(x.dtype)),
+                 x.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
     return y, keep.view(torch.bool)
 
 
@@ -239,12 +238,10 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
     dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
     numel = dy.numel()
     if numel:
-        with _on_device(dy):
-            _dropout_bwd_kernel[(cdiv(numel, cfg.BLOCK),)](
-                dy, keep, dx, numel, dropout_scale(p),
-                BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(dy.dtype),
-                num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
-            )
+        with on_device(dy):
+            _BWD((cdiv(numel, cfg.BLOCK),), (dy, keep, dx, numel, dropout_scale(p)),
+                 dict(BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(dy.dtype)),
+                 dy.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
     return dx
 
 

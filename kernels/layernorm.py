@@ -64,7 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import LAUNCH_OPTIONS, cdiv, next_power_of_2
+from . import cdiv, device_index, multiprocessors, next_power_of_2, on_device
+from ._launch import Launcher
 
 __all__ = ["norm_fwd", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
@@ -165,13 +166,7 @@ def _resident_programs(device: torch.device, num_warps: int) -> int:
     """
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _multiprocessors(index) * max(32 // num_warps, 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return multiprocessors(device_index(device)) * max(32 // num_warps, 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -510,6 +505,14 @@ def _norm_bwd_reduce_kernel(
 # --------------------------------------------------------------------------------------
 # Launchers (the backend interface of fasttrans.backends)
 # --------------------------------------------------------------------------------------
+# Outputs and workspaces allocated here, in dtypes fixed by the inputs (see Launcher): not keyed
+_FWD = Launcher(_norm_fwd_kernel, fresh=("Y", "H", "MEAN", "RSTD"))
+_FWD_SPLIT = Launcher(_norm_fwd_split_kernel, fresh=("Y", "H", "MEAN", "RSTD"))
+_BWD_ROW_SUMS = Launcher(_norm_bwd_row_sums_kernel, fresh=("SUM_DXHAT_XHAT", "SUM_DXHAT", "SUM_XHAT"))
+_BWD = Launcher(_norm_bwd_kernel, fresh=("DX", "SUM_DXHAT_XHAT", "SUM_DXHAT", "SUM_XHAT", "DW_PARTIAL", "DB_PARTIAL"))
+_BWD_REDUCE = Launcher(_norm_bwd_reduce_kernel, fresh=("DW_PARTIAL", "DB_PARTIAL"))
+
+
 def _check_rows(name: str, t: torch.Tensor, M: int, N: int) -> None:
     if t.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
@@ -529,6 +532,8 @@ def _vector(name: str, p: torch.Tensor | None, N: int) -> torch.Tensor | None:
         raise TypeError(f"{name}: the triton backend supports float32, float16 and bfloat16, got {p.dtype}")
     if p.numel() != N:
         raise ValueError(f"{name}: expected {N} elements, got shape {tuple(p.shape)}")
+    if p.dim() == 1 and p.stride(0) == 1:
+        return p
     return p.reshape(N).contiguous()  # tiny: a dense copy is cheaper than a stride argument
 
 
@@ -561,17 +566,23 @@ def norm_fwd(x, residual, weight, bias, eps, rms):
         IS_RMS=bool(rms), HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
     )
     cfg = fwd_config(N)
-    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS)
-    if cfg.split:
-        _norm_fwd_split_kernel[(M,)](*args, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
-    else:
-        grid = (cdiv(M, cfg.BLOCK_M),)
-        _norm_fwd_kernel[grid](*args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags, **launch)
+    with on_device(x):
+        if cfg.split:
+            _FWD_SPLIT((M,), args, dict(BLOCK_N=cfg.BLOCK_N, **flags), x.device.index, num_warps=cfg.num_warps,
+                       num_stages=NUM_STAGES)
+        else:
+            _FWD((cdiv(M, cfg.BLOCK_M),), args, dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags),
+                 x.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
     return y, h, mean, rstd
 
 
 def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     """(dx, dweight or None, dbias or None): see fasttrans.backends for the contract."""
+    with on_device(h):
+        return _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms)
+
+
+def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     M, N = h.shape
     _check_rows("h", h, M, N)
     _check_rows("dy", dy, M, N)
@@ -584,7 +595,7 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     mean = None if rms else mean
     device = h.device
     cfg = bwd_config(N)
-    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS)
+    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
 
     # P programs (times the column chunks when split), each owning a contiguous block of
     # rows_per_program rows and writing one row of the (P, N) dW/dB partials
@@ -608,29 +619,32 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
         sum_dxhat_xhat = torch.empty((M,), **fp32)
         sum_dxhat = None if rms else torch.empty((M,), **fp32)
         sum_xhat = None if rms else torch.empty((M,), **fp32)
-        _norm_bwd_row_sums_kernel[(M,)](
-            h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
-            h.stride(0), dy.stride(0), N,
-            BLOCK_N=cfg.BLOCK_N, IS_RMS=bool(rms), HAS_WEIGHT=w is not None, **launch,
+        _BWD_ROW_SUMS(
+            (M,),
+            (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
+             h.stride(0), dy.stride(0), N),
+            dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=bool(rms), HAS_WEIGHT=w is not None), device.index, **launch,
         )
-    _norm_bwd_kernel[(num_partials, col_blocks)](
-        h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
-        _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
-        h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
-        M, N, rows_per_program,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=bool(rms),
-        HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, HAS_DH=dh is not None, **launch,
+    _BWD(
+        (num_partials, col_blocks),
+        (h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
+         _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
+         h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
+         M, N, rows_per_program),
+        dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=bool(rms),
+             HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, HAS_DH=dh is not None),
+        device.index, **launch,
     )
 
     dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
     db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
     if w is not None or b is not None:
         red = reduce_config(N)
-        _norm_bwd_reduce_kernel[(cdiv(N, red.BLOCK_N),)](
-            _or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd),
-            num_partials, N,
-            BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
-            num_warps=red.num_warps, num_stages=NUM_STAGES, **LAUNCH_OPTIONS,
+        _BWD_REDUCE(
+            (cdiv(N, red.BLOCK_N),),
+            (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N),
+            dict(BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None),
+            device.index, num_warps=red.num_warps, num_stages=NUM_STAGES,
         )
     return dx, (None if dw is None else dw.view(weight.shape)), (None if db is None else db.view(bias.shape))
 

@@ -1,0 +1,171 @@
+"""Kernel launches through cached launch plans.
+
+``kernel[grid](*args, **constexprs)`` makes Triton bind and specialise every argument, hash
+the result and look the compiled kernel up, on every call: about 15 µs of host time per
+launch (an autotuned kernel adds its own lookup), longer than many of these kernels run on
+a GPU. A :class:`Launcher` does that once per *specialisation key* and keeps a plan: the
+compiled kernel's C launcher, its function handle and metadata, the constexpr values that
+complete the argument list and, for an autotuned kernel, the configuration it picked. Later
+calls with the same key call the C launcher directly.
+
+The key holds everything Triton specialises on, or more: the constexprs, and per runtime
+argument its dtype and 16-byte alignment (tensors), or whether it is 1, divisible by 16 and
+within int32 (integers), and the values of an autotuner's key arguments. Two calls with one
+key get the same binary from Triton; a finer key only costs an extra plan.
+
+Plans use ``CompiledKernel.run``'s calling convention, a Triton internal, on the Triton
+versions it was read in (``PLANNED_VERSIONS``); other versions, the interpreter and
+launches with Triton's launch hooks installed (a profiler) take the public
+``kernel[grid](...)`` route, chosen once at import (the hooks: per call). Set
+``FASTTRANS_TRITON_PLANS=0`` to force the public route.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from itertools import chain
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.autotuner import Autotuner
+
+from . import LAUNCH_OPTIONS
+
+__all__ = ["Launcher", "PLANNED_VERSIONS", "plans_enabled"]
+
+# Triton versions whose JITFunction.run launches as ``kernel.run(grid_0, grid_1, grid_2,
+# stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``
+# with the constexprs among all_args, which is how plans launch.
+PLANNED_VERSIONS = ("3.6", "3.9")
+
+
+def _version_planned() -> bool:
+    return ".".join(triton.__version__.split(".")[:2]) in PLANNED_VERSIONS
+
+
+_PLANS = (os.environ.get("FASTTRANS_TRITON_PLANS", "1") != "0" and _version_planned()
+          and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def plans_enabled() -> bool:
+    """Whether launches use cached plans in this process (see the module docstring)."""
+    return _PLANS and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+_INT32_MIN, _INT32_END = -(2**31), 2**31
+_data_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _getter(indices: list[int]):
+    """A C-level picker of args[i] for i in indices, always returning a tuple."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:  # itemgetter of one index returns the item itself
+        index = indices[0]
+        return lambda args: (args[index],)
+    return operator.itemgetter(*indices)
+
+
+class _Layout:
+    """Where the tensors and integers sit among a call's runtime arguments (one per
+    pattern of argument types), to key a call with C-level maps instead of a Python loop."""
+
+    __slots__ = ("tensors", "ints")
+
+    def __init__(self, types: tuple, fresh: set[int]):
+        self.tensors = _getter([i for i, t in enumerate(types) if issubclass(t, torch.Tensor) and i not in fresh])
+        self.ints = _getter([i for i, t in enumerate(types) if t is int])
+
+    def key(self, args: tuple) -> tuple:
+        tensors, ints = self.tensors(args), self.ints(args)
+        # per tensor: dtype and 16-byte alignment; per integer: residue mod 16, == 1, and
+        # (for the set, per integer when not all are) within int32. Floats and bools are
+        # typed by the type pattern.
+        return (tuple(map(_dtype_of, tensors)), tuple(map(_mod16, chain(ints, map(_data_ptr, tensors)))),
+                tuple(map(_is_one, ints)),
+                not ints or (_INT32_MIN <= min(ints) and max(ints) < _INT32_END)
+                or tuple(_INT32_MIN <= v < _INT32_END for v in ints))
+
+
+_mod16 = (15).__and__
+_is_one = (1).__eq__
+
+
+class _Plan:
+    __slots__ = ("run", "function", "metadata", "tail", "meta")
+
+    def __init__(self, run, function, metadata, tail, meta):
+        self.run, self.function, self.metadata, self.tail, self.meta = run, function, metadata, tail, meta
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` kernel, or a ``triton.autotune`` of one, through plans.
+
+    ``launcher(grid, args, constexprs, device_index, **options)``: ``grid`` is a tuple, or a
+    function of the launch meta-parameters (the constexprs and the chosen configuration)
+    returning one; ``args`` are the kernel's runtime arguments, in order, and must be its
+    leading parameters; ``constexprs`` the rest by name (insertion order is part of the key);
+    ``options`` (num_warps, num_stages) go to Triton. Returns nothing. ``fresh`` names tensor
+    parameters that always get a whole new allocation (so aligned) in a dtype that the
+    other arguments' keys and the constexprs fix: they are not keyed.
+    """
+
+    def __init__(self, kernel, fresh: tuple[str, ...] = ()):
+        self.kernel = kernel
+        self.tuned = isinstance(kernel, Autotuner)
+        jit = kernel
+        while isinstance(jit, Autotuner):
+            jit = jit.fn
+        self.jit = jit  # a JITFunction (an InterpretedFunction under the interpreter)
+        # the autotuner's key arguments among the runtime ones (constexprs are keyed anyway)
+        params = getattr(jit, "params", None)
+        self.tune_key = _getter([i for i in (kernel.arg_names.index(k) for k in kernel.keys)
+                                 if params is None or not params[i].is_constexpr] if self.tuned else [])
+        self.fresh = {kernel.arg_names.index(n) for n in fresh}
+        self.plans: dict = {}
+        self.layouts: dict[tuple, _Layout] = {}
+
+    def __call__(self, grid, args: tuple, constexprs: dict, device_index: int | None = None, **options):
+        if not _PLANS or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            self._public(grid, args, constexprs, options)
+            return
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = _Layout(types, self.fresh)
+        key = (tuple(constexprs.items()), types, layout.key(args), self.tune_key(args),
+               tuple(options.items()), device_index)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(grid, args, constexprs, options, device_index)
+            return  # _plan launched it
+        g = grid(plan.meta) if callable(grid) else grid
+        g1 = g[1] if len(g) > 1 else 1
+        g2 = g[2] if len(g) > 2 else 1
+        stream = triton.runtime.driver.active.get_current_stream(device_index if device_index is not None else 0)
+        plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
+
+    def _public(self, grid, args, constexprs, options):
+        return self.kernel[grid](*args, **constexprs, **options, **LAUNCH_OPTIONS)
+
+    def _plan(self, grid, args, constexprs, options, device_index) -> _Plan:
+        params = self.jit.params
+        if any(p.is_constexpr for p in params[:len(args)]):
+            # a constexpr's value would be keyed by its alignment class only
+            raise TypeError(f"{self.jit.__name__}: pass constexpr parameters by name, not among args")
+        compiled = self._public(grid, args, constexprs, options)
+        meta = dict(constexprs)
+        if self.tuned:
+            meta.update(self.kernel.best_config.kwargs)
+        tail = []
+        for p in params[len(args):]:
+            if p.name in meta:
+                tail.append(meta[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                raise TypeError(f"{self.jit.__name__}: no value for parameter {p.name}")
+        return _Plan(compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), meta)

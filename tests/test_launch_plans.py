@@ -1,0 +1,125 @@
+"""Launch plans (kernels/_launch.py) pass the kernels what Triton's own launch passes them.
+
+A plan replays a compiled kernel's C launcher with the argument list it built once; a plan
+that put one argument in the wrong place, or kept a stale constexpr, would launch the right
+binary on the wrong data. No GPU runs here, so each check launches through the stand-in CUDA
+driver (benchmarks/standin_cuda.py) in a child process without the interpreter, records what
+reaches Triton's C launcher, and holds the planned launches of a call to those of the same
+call through the public ``kernel[grid](...)`` route: the same kernels, grids, metadata and
+arguments, for every op and mask kind.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="the stand-in CUDA driver is built with a C compiler")
+
+_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks import standin_cuda
+standin_cuda.activate()
+
+import torch
+from triton.backends.nvidia import driver as nvidia
+import fasttrans
+from fasttrans.kernels import _launch as launch
+
+assert launch.plans_enabled()
+launches = []
+real_call = nvidia.CudaLauncher.__call__
+
+
+def recording(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+    def describe(a):
+        if isinstance(a, torch.Tensor):  # fresh outputs differ in address from call to call
+            return ("tensor", a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16 == 0)
+        return a
+    launches.append((id(self), (gx, gy, gz), metadata, tuple(describe(a) for a in args)))
+    return real_call(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args)
+
+
+nvidia.CudaLauncher.__call__ = recording
+
+
+def record(call):
+    launches.clear()
+    call()
+    return list(launches)
+
+
+def grad_of(fn, *inputs):
+    return lambda: torch.autograd.grad(fn().float().sum(), inputs)
+
+
+torch.manual_seed(0)
+B, H, Hkv, L, D = 2, 4, 2, 37, 64
+q = torch.randn(B, H, L, D, requires_grad=True)
+k = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
+v = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
+qh, kh, vh = (t.detach().half().requires_grad_() for t in (q, k, v))
+bool_mask = torch.rand(B, 1, L, L + 3) < 0.7
+float_mask = torch.randn(1, H, L, L + 3, requires_grad=True)
+lengths = torch.tensor([L + 3, 5], dtype=torch.int32)
+x = torch.randn(6, 1000, requires_grad=True)
+r = torch.randn(6, 1000, requires_grad=True)
+w = torch.randn(1000, requires_grad=True)
+b = torch.randn(1000, requires_grad=True)
+wide = torch.randn(3, 20000, requires_grad=True)
+
+cases = {
+    "attention": grad_of(lambda: fasttrans.attention(q, k, v), q, k, v),
+    "attention fp16 causal": grad_of(lambda: fasttrans.attention(qh, kh, vh, is_causal=True), qh, kh, vh),
+    "attention bool mask": grad_of(lambda: fasttrans.attention(q, k, v, attn_mask=bool_mask), q, k, v),
+    "attention float mask": grad_of(lambda: fasttrans.attention(q, k, v, attn_mask=float_mask), q, float_mask),
+    "attention key lengths": grad_of(lambda: fasttrans.attention(q, k, v, key_lengths=lengths), q, k, v),
+    "attention dropout": grad_of(lambda: fasttrans.attention(q, k, v, dropout_p=0.25), q, k, v),
+    "attention strided q": grad_of(lambda: fasttrans.attention(q.transpose(1, 2).contiguous().transpose(1, 2),
+                                                               k, v), q, k, v),
+    "layer_norm": grad_of(lambda: fasttrans.layer_norm(x, 1000, w, b), x, w, b),
+    "add_layer_norm": grad_of(lambda: fasttrans.add_layer_norm(x, r, w, b)[1], x, r, w),
+    "rms_norm": grad_of(lambda: fasttrans.rms_norm(x, 1000, w), x, w),
+    "layer_norm split rows": grad_of(lambda: fasttrans.layer_norm(wide, 20000), wide),
+    "layer_norm unaligned rows": grad_of(lambda: fasttrans.layer_norm(x[:, 1:], 999, w[1:], b[1:]), x, w),
+    "dropout": grad_of(lambda: fasttrans.functional.dropout(x, 0.3), x),
+}
+with fasttrans.use_backend("triton"):
+    for name, call in cases.items():
+        call()  # compiles, tunes (the stand-in times every configuration alike) and plans
+        torch.manual_seed(1)
+        planned = record(call)
+        launch._PLANS = False  # the public route, kernel[grid](...), for the same call
+        try:
+            torch.manual_seed(1)
+            public = record(call)
+        finally:
+            launch._PLANS = True
+        assert public, name
+        assert len(planned) == len(public), (name, len(public), len(planned))
+        for i, (a, p) in enumerate(zip(public, planned)):
+            assert a == p, f"{name}: launch {i} differs:\n public  {a}\n planned {p}"
+        print(f"{name}: {len(public)} launches agree")
+"""
+
+
+def test_planned_launches_match_tritons_own():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.stdout.count("launches agree") == 13, proc.stdout
+
+
+def test_plans_are_off_under_the_interpreter():
+    from fasttrans.kernels import _launch as launch
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert not launch.plans_enabled()
