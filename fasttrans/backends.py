@@ -212,11 +212,13 @@ class _ReferenceImpl:
 # attempted) clears the memos.
 _auto_selection: dict[tuple, "Backend"] = {}
 _forced_selection: dict[tuple, "Backend"] = {}  # forced backends that passed their checks
+_eager_routes: dict[tuple[str, str], tuple] = {}  # see eager_route
 
 
 def _backends_changed() -> None:
     _auto_selection.clear()
     _forced_selection.clear()
+    _eager_routes.clear()
 
 
 def reference_impl():
@@ -476,7 +478,12 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
     key = (op, device, dtype)
     backend = _auto_selection.get(key)
     if backend is None:
-        backend = _auto_selection[key] = _select_automatic(op, torch.device(device), dtype)
+        # one selection per device however it is named (a torch.device or its string)
+        canonical = (op, str(device), dtype)
+        backend = _auto_selection.get(canonical)
+        if backend is None:
+            backend = _auto_selection[canonical] = _select_automatic(op, torch.device(device), dtype)
+        _auto_selection[key] = backend
     return backend
 
 
@@ -655,8 +662,19 @@ def _register_fake_and_autograd(name: str) -> None:
         _check_fake_devices(dy=dy, keep=keep)
         return torch.empty_like(dy, memory_format=torch.contiguous_format)
 
-    attention_bwd_op = _skipping_autograd_key(getattr(ns, f"attention_bwd_{name}"), name)
-    norm_bwd_op = _skipping_autograd_key(getattr(ns, f"norm_bwd_{name}"), name)
+    formulas = _autograd_formulas(
+        name, *(_skipping_autograd_key(getattr(ns, f"{kind}_bwd_{name}"), name)
+                for kind in ("attention", "norm", "dropout")))
+    for kind, (setup, backward) in formulas.items():
+        register_autograd(f"fasttrans::{kind}_fwd_{name}", backward, setup_context=setup)
+
+
+def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op) -> dict:
+    """{kind: (setup_context, backward)} of backend ``name``'s forward ops, computing first-order
+    gradients with the given backward callables: its registered backward ops, or its
+    implementation's methods (the eager route, see :func:`eager_route`). Either takes what
+    the matching forward returned (absent outputs as empty tensors or as None)."""
+
 
     def attention_setup(ctx, inputs, output):
         q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
@@ -685,7 +703,6 @@ def _register_fake_and_autograd(name: str) -> None:
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
         return dq, dk, dv, dmask, None, None, None, None, None, None
 
-    register_autograd(f"fasttrans::attention_fwd_{name}", attention_backward, setup_context=attention_setup)
 
     def norm_setup(ctx, inputs, output):
         x, residual, weight, bias, eps, rms = inputs
@@ -718,9 +735,7 @@ def _register_fake_and_autograd(name: str) -> None:
         db = db if bias is not None else None
         return dx, (dx if ctx.has_residual else None), dw, db, None, None
 
-    register_autograd(f"fasttrans::norm_fwd_{name}", norm_backward, setup_context=norm_setup)
 
-    dropout_bwd_op = _skipping_autograd_key(getattr(ns, f"dropout_bwd_{name}"), name)
 
     def dropout_setup(ctx, inputs, output):
         ctx.p = inputs[1]
@@ -732,13 +747,8 @@ def _register_fake_and_autograd(name: str) -> None:
             return _ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
         return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
 
-    register_autograd(f"fasttrans::dropout_fwd_{name}", dropout_backward, setup_context=dropout_setup)
-
-    for op_name, setup, backward in (("attention_fwd", attention_setup, attention_backward),
-                                     ("norm_fwd", norm_setup, norm_backward),
-                                     ("dropout_fwd", dropout_setup, dropout_backward)):
-        op = getattr(ns, f"{op_name}_{name}")
-        _eager_autograd[op] = _eager_function(f"{op_name}_{name}", op, setup, backward)
+    return {"attention": (attention_setup, attention_backward), "norm": (norm_setup, norm_backward),
+            "dropout": (dropout_setup, dropout_backward)}
 
 
 # Second-order gradients. The kernels' backward is not itself differentiable: under
@@ -780,27 +790,50 @@ def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_output
     return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
 
 
-# Eager calls that record a graph apply these directly: the same setup_context and backward
-# that register_autograd gives the op, without the trip from the dispatcher into the op's
-# Python autograd kernel (about 12 us a call on a 2-core CPU, more than a small layer_norm's
-# whole forward). torch.compile and torch.func keep calling the registered op.
-_eager_autograd: dict = {}
-
-
-def _eager_function(name: str, op, setup_context, backward) -> type[torch.autograd.Function]:
+# The eager route. A call to a registered op, even below its autograd key, costs the host
+# the dispatcher's trip into torch.library's Python wrappers: tens of microseconds, longer
+# than a small kernel runs. Eager calls (functional._call decides which) instead call the
+# backend's implementation directly: without a gradient as it is, with one through an
+# autograd.Function holding the formulas register_autograd gives the op, whose backward
+# calls the implementation's backward directly too. torch.compile, torch.func transforms,
+# dispatch modes and tensor subclasses keep calling the registered ops.
+def _eager_function(name: str, kind: str, forward_impl, setup_context, backward) -> type[torch.autograd.Function]:
     def forward(ctx, *inputs):
-        with BELOW_AUTOGRAD():
-            output = op(*inputs)
+        output = forward_impl(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
-    return type(f"{name}_eager", (torch.autograd.Function,),
+    return type(f"{kind}_fwd_{name}_eager", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-def eager_autograd(op) -> type[torch.autograd.Function] | None:
-    """The autograd.Function that eager calls of a forward op apply, or None for other ops."""
-    return _eager_autograd.get(op)
+def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Function]]:
+    """(forward, function) of backend ``name``'s ``kind`` op ("attention", "norm",
+    "dropout") for eager calls: its implementation's forward, called as it is when nothing
+    needs a gradient, and an autograd.Function applying it with the op's gradient formulas.
+    Both take the registered forward op's arguments; absent outputs come back as None where
+    the op returns empty tensors."""
+    route = _eager_routes.get((name, kind))
+    if route is None:
+        impl = BACKENDS[name].impl()
+        methods = [getattr(impl, f"{k}_{d}", None) for k in ("attention", "norm", "dropout") for d in ("fwd", "bwd")]
+        if name == "extension":  # C++ ops: skip their autograd key, whose Python kernel the route replaces
+            methods = [_below_autograd(m) for m in methods]
+        formulas = _autograd_formulas(name, *methods[1::2])
+        forward = methods[("attention", "norm", "dropout").index(kind) * 2]
+        route = _eager_routes[(name, kind)] = (forward, _eager_function(name, kind, forward, *formulas[kind]))
+    return route
+
+
+def _below_autograd(method):
+    if method is None or BELOW_AUTOGRAD is None:
+        return method
+
+    def call(*args):
+        with BELOW_AUTOGRAD():
+            return method(*args)
+
+    return call
 
 
 _op_handles: dict[str, tuple] = {}  # per backend, once its ops are registered
@@ -827,6 +860,17 @@ def ops_for(name: str):
     return handles
 
 
+def forward_op(name: str, kind: str):
+    """The registered forward op of backend ``name`` for ``kind`` ("attention", "norm",
+    "dropout"): ``torch.ops.fasttrans.<kind>_fwd_<name>``, registered on first use."""
+    op = _forward_ops.get((name, kind))
+    if op is None:
+        ops_for(name)
+        op = _forward_ops[(name, kind)] = getattr(torch.ops.fasttrans, f"{kind}_fwd_{name}")
+    return op
+
+
+_forward_ops: dict[tuple[str, str], object] = {}
 _inference_ops: tuple = ()  # the extension's whole-module inference ops, once registered
 
 

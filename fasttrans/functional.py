@@ -82,33 +82,41 @@ def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) ->
     return name
 
 
-# The autograd kernel that register_autograd adds to an op runs in Python, reached through
-# the dispatcher (about 4 us a call on a 2-core CPU without a gradient, 12 us with one): more
-# than a decoding step's whole attention kernel over a short cache. Eager calls skip it:
-# without a gradient they go below it, to the device kernel, as it would itself; with one,
-# they apply an autograd.Function holding the same formulas (backends.eager_autograd).
-# Inside torch.compile and torch.func transforms the ops are called as registered.
-_below_autograd = backends.BELOW_AUTOGRAD
+# Eager calls skip the registered ops: reaching a torch.library op's Python implementation
+# through the dispatcher costs more host time than a small kernel runs. Without a gradient
+# they call the backend's implementation directly; with one, an autograd.Function holding
+# the op's own formulas (backends.eager_route). torch.compile, torch.func transforms,
+# dispatch modes (FakeTensorMode, ...) and tensor subclasses (DTensor, ...) see the
+# registered ops, which stay what opcheck tests.
 _functorch = torch._C._functorch
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_grad_enabled = torch.is_grad_enabled
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _call(op, grad_inputs: tuple, *args):
-    """op(*args), recording its backward when one of grad_inputs needs a gradient."""
+def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple, *args):
+    """The ``kind`` forward ("attention", "norm", "dropout") of the backend selected for
+    (device, dtype), on args (the registered op's arguments), recording its backward when
+    one of grad_inputs needs a gradient. Absent outputs come back as None or empty tensors."""
+    if _is_compiling():
+        return backends.forward_op(_selected_backend(kind, str(device), dtype), kind)(*args)
+    name = backends.select_backend(kind, device, dtype).name
     # Under torch.func.vmap a batched input reports requires_grad=False even when the
     # tensor it wraps needs a gradient: only the op's own autograd kernel sees the truth.
-    if _below_autograd is None or _is_compiling() or _functorch.maybe_current_level() is not None:
-        return op(*args)
-    if not _needs_grad(*grad_inputs):
-        with _below_autograd():
-            return op(*args)
-    function = backends.eager_autograd(op)
-    if function is None:
-        return op(*args)
-    return function.apply(*args)
+    eager = _dispatch_stack_len is not None and _functorch.maybe_current_level() is None and not _dispatch_stack_len()
+    needs_grad = False
+    if eager:
+        grad = _grad_enabled()
+        for t in grad_inputs:
+            if t is not None:
+                if type(t) not in _PLAIN_TENSORS:
+                    eager = False
+                    break
+                needs_grad = needs_grad or (grad and t.requires_grad)
+    if not eager:
+        return backends.forward_op(name, kind)(*args)
+    forward, function = backends.eager_route(name, kind)
+    return function.apply(*args) if needs_grad else forward(*args)
 
 
 # torch.func transforms and forward-mode AD. The ops' autograd is registered with
@@ -163,14 +171,6 @@ def _on_reference_for_head_dim(D: int) -> bool:
                             f"the fused kernels support head dims up to {MAX_HEAD_DIM} (the reference "
                             "materialises the (Lq, Lk) scores)")
     return True
-
-
-def _ops(op: str, device: torch.device, dtype: torch.dtype):
-    if _is_compiling():
-        name = _selected_backend(op, str(device), dtype)
-    else:  # the same memoised selection, without the trace-time wrapper
-        name = backends.select_backend(op, str(device), dtype).name
-    return name, backends.ops_for(name)
 
 
 def _draw_seed(dropout_p: float) -> int:
@@ -355,8 +355,7 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
         return backends.reference_impl().attention_fwd(
             q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, _draw_seed(dropout_p)
         )[0]
-    _, (fwd, _bwd, _nf, _nb) = _ops("attention", q.device, q.dtype)
-    out, _lse = _call(fwd, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal, causal_offset,
+    out, _lse = _run("attention", q.device, q.dtype, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal, causal_offset,
                       float(dropout_p), scale, _draw_seed(dropout_p))
     return out
 
@@ -377,7 +376,8 @@ def attention_dropout_mask(
     _check_tensor("k", k, 4)
     if not 0.0 < float(dropout_p) < 1.0:
         raise ShapeError(f"dropout_p: expected a probability in (0, 1), got {dropout_p!r}")
-    name, _ = _ops("attention", q.device, q.dtype)
+    name = (_selected_backend("attention", str(q.device), q.dtype) if _is_compiling()
+            else backends.select_backend("attention", q.device, q.dtype).name)
     return backends.get_backend(name).impl().attention_dropout_mask(q, k, float(dropout_p), _draw_seed(dropout_p))
 
 
@@ -531,9 +531,8 @@ def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _norm(x, residual, weight, bias, eps, rms, n):
-    _, (_af, _ab, fwd, _nb) = _ops("norm", x.device, x.dtype)
-    y, h, _mean, _rstd = _call(
-        fwd, (x, residual, weight, bias),
+    y, h, _mean, _rstd = _run(
+        "norm", x.device, x.dtype, (x, residual, weight, bias),
         _rows(x, n), None if residual is None else _rows(residual, n),
         _param(weight, x), _param(bias, x), float(eps), rms,
     )
@@ -676,9 +675,7 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     elif _on_reference_under_transform("dropout", input):
         out = backends.reference_impl().dropout_fwd(input, p, _draw_seed(p))[0]
     else:
-        name = _selected_backend("dropout", str(input.device), input.dtype)
-        fwd, _ = backends.dropout_ops_for(name)
-        out, _keep = _call(fwd, (input,), input.contiguous(), p, _draw_seed(p))
+        out, _keep = _run("dropout", input.device, input.dtype, (input,), input.contiguous(), p, _draw_seed(p))
     if inplace:
         return input.copy_(out)
     return out

@@ -1,10 +1,11 @@
 """How calls that record a graph reach the ops, and second-order gradients.
 
-Eager calls apply an autograd.Function holding the formulas that register_autograd gives
-each forward op (backends.eager_autograd), instead of calling the op through the
-dispatcher into its Python autograd kernel. torch.compile and torch.func transforms call
-the registered op. These tests hold the two routes to the same outputs and gradients, on
-every backend, and check which route each kind of call takes.
+Eager calls take backends.eager_route: the backend's implementation called directly, and
+with a gradient an autograd.Function holding the formulas that register_autograd gives
+each forward op, instead of calling the op through the dispatcher. torch.compile, torch.func
+transforms, dispatch modes and tensor subclasses call the registered op. These tests hold
+the two routes to the same outputs and gradients, on every backend, and check which route
+each kind of call takes.
 
 Under backward(create_graph=True) the gradients are the reference forward's, taken by
 autograd with a graph of their own, so they can be differentiated again: gradgradcheck in
@@ -35,11 +36,14 @@ def _leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
 
 
-def _both_routes(op, args: list, n_outputs_used: int, grads: list):
-    """Outputs and input gradients of op(*args) through the registered autograd kernel and
-    through the eager autograd.Function, each on fresh leaves."""
-    function = backends.eager_autograd(op)
-    assert function is not None
+def _both_routes(backend: str, kind: str, args: list, n_outputs_used: int, grads: list):
+    """Outputs and input gradients of the backend's ``kind`` forward on args through the
+    registered op (and its autograd kernel) and through the eager route's autograd.Function,
+    each on fresh leaves; and the eager route's forward without a gradient matches both."""
+    op = backends.forward_op(backend, kind)
+    forward, function = backends.eager_route(backend, kind)
+    with torch.no_grad():
+        plain = forward(*args)[:n_outputs_used]
     results = []
     for route in (op, function.apply):
         leaves = _leaves(*[a if isinstance(a, torch.Tensor) else None for a in args])
@@ -47,15 +51,28 @@ def _both_routes(op, args: list, n_outputs_used: int, grads: list):
         outputs = route(*call_args)
         used = outputs[:n_outputs_used]
         inputs = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-        loss = sum((o * g).sum() for o, g in zip(used, grads) if g is not None)
-        results.append(([o.detach() for o in used], torch.autograd.grad(loss, inputs, allow_unused=True)))
+        loss = sum((o * g).sum() for o, g in zip(used, grads) if g is not None and o is not None)
+        results.append(([_absent_as_none(o) for o in used],
+                        torch.autograd.grad(loss, inputs, allow_unused=True)))
+    _assert_same_outputs(results[0][0], [_absent_as_none(o) for o in plain])
     return results
+
+
+def _absent_as_none(t):
+    """An output detached, and None for an absent one (the ops return those as empty (0,) tensors)."""
+    return None if t is None or (t.dim() == 1 and t.numel() == 0) else t.detach()
+
+
+def _assert_same_outputs(outs_a, outs_b):
+    for a, b in zip(outs_a, outs_b):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def _assert_same(registered, eager):
     (outs_a, grads_a), (outs_b, grads_b) = registered, eager
-    for a, b in zip(outs_a, outs_b):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    _assert_same_outputs(outs_a, outs_b)
     assert len(grads_a) == len(grads_b)
     for a, b in zip(grads_a, grads_b):
         assert (a is None) == (b is None)
@@ -66,7 +83,6 @@ def _assert_same(registered, eager):
 @pytest.mark.parametrize("backend", backend_params("attention"))
 @pytest.mark.parametrize("mask", ["float", "bool", "key_lengths_causal"])
 def test_attention_routes_agree(backend, mask):
-    fwd = backends.ops_for(backend)[0]
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 8
     q, k, v = torch.randn(B, H, Lq, D, dtype=f64), torch.randn(B, Hkv, Lk, D, dtype=f64), torch.randn(B, Hkv, Lk, D, dtype=f64)
     attn_mask = key_lengths = None
@@ -82,7 +98,7 @@ def test_attention_routes_agree(backend, mask):
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     attn_mask = attn_mask.to(dtype) if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
     args = [q, k, v, attn_mask, key_lengths, mask == "key_lengths_causal", 2, 0.0, D ** -0.5, 0]
-    registered, eager = _both_routes(fwd, args, 1, [torch.randn(B, H, Lq, D, dtype=dtype)])
+    registered, eager = _both_routes(backend, "attention", args, 1, [torch.randn(B, H, Lq, D, dtype=dtype)])
     _assert_same(registered, eager)
     if mask == "float":
         assert eager[1][3] is not None and eager[1][3].abs().sum() > 0
@@ -91,7 +107,6 @@ def test_attention_routes_agree(backend, mask):
 @pytest.mark.parametrize("backend", backend_params("norm"))
 @pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm_y", "add_layer_norm_y_h", "rms_norm"])
 def test_norm_routes_agree(backend, case):
-    fwd = backends.ops_for(backend)[2]
     M, N = 6, 40
     dtype = f64 if backend != "triton" else torch.float32
     x, w, b = torch.randn(M, N, dtype=dtype), torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype)
@@ -101,15 +116,14 @@ def test_norm_routes_agree(backend, case):
     dy = torch.randn(M, N, dtype=dtype)
     # the h gradient is None unless h is used: both routes must take it that way
     grads = [dy, torch.randn(M, N, dtype=dtype) if case == "add_layer_norm_y_h" else None]
-    registered, eager = _both_routes(fwd, args, 2, grads)
+    registered, eager = _both_routes(backend, "norm", args, 2, grads)
     _assert_same(registered, eager)
 
 
 @pytest.mark.parametrize("backend", backend_params("dropout"))
 def test_dropout_routes_agree(backend):
-    fwd, _ = backends.dropout_ops_for(backend)
     x = torch.randn(64, 33)
-    registered, eager = _both_routes(fwd, [x, 0.3, 1234], 1, [torch.randn(64, 33)])
+    registered, eager = _both_routes(backend, "dropout", [x, 0.3, 1234], 1, [torch.randn(64, 33)])
     _assert_same(registered, eager)
 
 
@@ -433,3 +447,37 @@ def test_gradient_penalty_through_an_encoder_layer_matches_torch():
 
     for name, a, b in zip([n for n, _ in ours.named_parameters()], penalty_grads(ours), penalty_grads(theirs)):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_calls_under_a_dispatch_mode_keep_the_registered_op():
+    """A dispatch mode (FakeTensorMode, a user's TorchDispatchMode) must see the op itself:
+    the eager route would hand the implementation tensors it cannot read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.name()))
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(3, 16), torch.randn(16)
+    name = backends.select_backend("norm", "cpu", x.dtype).name
+    with Seen() as seen:
+        got = fasttrans.layer_norm(x, 16, w)
+    assert f"fasttrans::norm_fwd_{name}" in seen.ops, seen.ops
+    torch.testing.assert_close(got, F.layer_norm(x, (16,), w))
+
+
+def test_calls_with_a_tensor_subclass_keep_the_registered_op():
+    """A tensor subclass (DTensor, a wrapper) dispatches through the op like torch's own ops."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = torch.randn(3, 16)
+    name = backends.select_backend("norm", "cpu", x.dtype).name
+    got, ops = fasttrans_ops_run(lambda: fasttrans.layer_norm(TwoTensor(x, x.clone()), 16))
+    assert f"fasttrans::norm_fwd_{name}" in ops
+    assert isinstance(got, TwoTensor)
+    torch.testing.assert_close(got.a, F.layer_norm(x, (16,)))
