@@ -517,3 +517,26 @@ def test_errors_have_torch_types(case):
         f"torch raised {t_err.type.__name__}, fasttrans {type(f_err.value).__name__}: {f_err.value}"
     )
     assert re.search("|".join(ARG_NAMES), str(f_err.value)), str(f_err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_training_step_with_device_masks_costs_no_host_sync():
+    """Key padding and causal masks on the GPU are not read on the host per call: a padding
+    mask stays a dense mask, and a causal mask is recognised once while it is unchanged."""
+    torch.manual_seed(0)
+    layer = fnn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True).cuda().half()
+    x = torch.randn(3, 20, 64, device="cuda", dtype=torch.half, requires_grad=True)
+    padding = torch.arange(20, device="cuda")[None, :] >= torch.tensor([20, 11, 3], device="cuda")[:, None]
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(20, device="cuda", dtype=torch.half)
+
+    def step():
+        out = layer(x, src_mask=causal, src_key_padding_mask=padding)
+        out.float().sum().backward()
+
+    step()  # compiles, tunes and recognises the causal mask: these may synchronise
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import threading
 import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -139,6 +140,22 @@ def is_causal_mask(mask: Tensor, L: int, S: int) -> bool:
     helpers = _cpu_helpers(mask)
     if helpers is not None:
         return helpers[1](mask)
+    if mask.device.type == "cpu" or mask.requires_grad:
+        return _compare_with_causal(mask, L, S)
+    # On a GPU the comparison's answer costs a host-device synchronisation: it is taken once
+    # per mask and kept while the mask is unchanged (a model's layers and steps share one).
+    seen = _causal_answers.get(mask)
+    if seen is not None and seen[0] == mask._version and seen[1:3] == (L, S):
+        return seen[3]
+    answer = _compare_with_causal(mask, L, S)
+    _causal_answers[mask] = (mask._version, L, S, answer)
+    return answer
+
+
+_causal_answers: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _compare_with_causal(mask: Tensor, L: int, S: int) -> bool:
     upper = causal_pattern(L, S, mask.device)
     if mask.dtype == torch.bool:
         return torch.equal(mask, upper.expand_as(mask))
@@ -173,7 +190,12 @@ def _cpu_helpers(mask: Tensor) -> tuple | None:
 
 
 def right_padded_lengths(key_padding_mask: Tensor) -> Tensor | None:
-    """Key lengths (N,) int32 if every row of a bool (N, S) padding mask is F..F T..T, else None."""
+    """Key lengths (N,) int32 if every row of a bool (N, S) padding mask is F..F T..T, else None.
+
+    Only CPU masks are read: on a GPU the answer would synchronise every call (padding masks
+    change with every batch), so GPU masks stay dense masks (None)."""
+    if key_padding_mask.device.type != "cpu":
+        return None
     helpers = _cpu_helpers(key_padding_mask)
     if helpers is not None:
         lengths = helpers[0](key_padding_mask)  # empty when some row is not right-padded
