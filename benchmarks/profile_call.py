@@ -17,14 +17,12 @@ goes, per provider:
     python benchmarks/profile_call.py --op attention --shape 1,1,4,8 --mode fwd+bwd --provider fasttrans-triton,torch
     python benchmarks/profile_call.py --op dropout --shape 4096,1024 --device cuda --calls 2000
 
---stub-kernels (CPU, with TRITON_INTERPRET=1 set before the run) replaces every Triton kernel
-of fasttrans.kernels by a launch that does nothing, so the fasttrans-triton provider measures
-the host work of the Triton path without a GPU: argument checks, backend choice, the custom-op
-and autograd layers, allocations and the launchers' own code. Not measured that way: Triton's
-launcher, the CUDA driver and the GPU-only branch of the attention launcher (its autotuner
-lookup).
+--standin-driver (CPU) launches the Triton kernels through a stand-in CUDA driver
+(benchmarks/standin_cuda.py) that does nothing, so the fasttrans-triton provider measures
+everything the host does per call of the Triton path without a GPU, Triton's own launcher
+included. Run it in a process without TRITON_INTERPRET=1.
 
-    TRITON_INTERPRET=1 python benchmarks/profile_call.py --stub-kernels --provider fasttrans-triton --mode fwd+bwd
+    python benchmarks/profile_call.py --standin-driver --provider fasttrans-triton --mode fwd+bwd
 
 Nothing is written; the report goes to stdout.
 """
@@ -32,13 +30,12 @@ Nothing is written; the report goes to stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import os
 import pstats
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils import benchmark as torch_benchmark
@@ -106,42 +103,6 @@ def make_call(op: str, shape: Sequence[int], mask: str, mode: str, dtype: torch.
     return make(inp)
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **meta)`` evaluates a callable grid
-    with the launch's meta-parameters, as Triton does, and launches nothing."""
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            if callable(grid):
-                grid(meta)
-
-        return launch
-
-
-@contextlib.contextmanager
-def stubbed_kernels() -> Iterator[list[str]]:
-    """The Triton kernels of fasttrans.kernels replaced by _NoLaunch inside the block (yields
-    their names); restored after it."""
-    import importlib
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--stub-kernels: set TRITON_INTERPRET=1 before the run (the Triton path runs on CPU "
-                         "only through the interpreter, whose launch code the stubs replace)")
-    replaced = []
-    for module in ("attention", "layernorm", "dropout"):
-        mod = importlib.import_module(f"fasttrans.kernels.{module}")
-        for name, value in list(vars(mod).items()):
-            if name.endswith("_kernel") and hasattr(value, "arg_names"):  # a @triton.jit function
-                replaced.append((mod, name, value))
-    try:
-        for mod, name, _ in replaced:
-            setattr(mod, name, _NoLaunch())
-        yield [f"{mod.__name__.rsplit('.', 1)[-1]}.{name}" for mod, name, _ in replaced]
-    finally:
-        for mod, name, value in replaced:
-            setattr(mod, name, value)
-
-
 def wall_us(call: Callable[[], object], calls: int) -> float:
     """Microseconds per call over ``calls`` back-to-back calls, CUDA synchronised."""
     timer = torch_benchmark.Timer(stmt="call()", globals={"call": call})
@@ -177,12 +138,9 @@ def top(stats: pstats.Stats, calls: int, count: int) -> list[tuple[float, str]]:
     return sorted(rows, reverse=True)[:count]
 
 
-def providers(device: str, op: str, selected: Sequence[str], stubbed: bool = False) -> list[common.Provider]:
+def providers(device: str, op: str, selected: Sequence[str]) -> list[common.Provider]:
     found = [p for p in common.fasttrans_providers(device, _BACKEND_OP.get(op, "norm")) + [common.Provider("torch")]
              if common.provider_selected(p.name, selected)]
-    if stubbed:  # the interpreter runs no kernel now: the Triton provider measures host work
-        found = [common.Provider(p.name, backend=p.backend) if p.backend == "triton" and
-                 p.unavailable and p.unavailable.startswith("TRITON_INTERPRET") else p for p in found]
     if not found:
         raise SystemExit(f"--provider: nothing matches {', '.join(selected)}")
     return found
@@ -201,8 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fasttrans-<backend> or torch (repeat or comma-separate; default: every one available)")
     parser.add_argument("--calls", type=int, default=1000, help="calls per measurement (default 1000)")
     parser.add_argument("--top", type=int, default=12, help="functions listed per provider (default 12)")
-    parser.add_argument("--stub-kernels", action="store_true",
-                        help="CPU: Triton kernels launch nothing, so fasttrans-triton measures host work (see above)")
+    parser.add_argument("--standin-driver", action="store_true",
+                        help="CPU: Triton launches through a stand-in CUDA driver that does nothing, so "
+                             "fasttrans-triton measures host work (see above)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -212,11 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = common.split_values([args.shape or ("1,1,4,8" if args.op == "attention" else "1,1024")], int,
                                 option="--shape")
     dtype = getattr(torch, args.dtype)
-    if args.stub_kernels and device != "cpu":
-        parser.error("--stub-kernels: CPU only (on a GPU, profile the real launches)")
-    selected = providers(device, args.op, common.split_values(args.provider, option="--provider"), args.stub_kernels)
-    with stubbed_kernels() if args.stub_kernels else contextlib.nullcontext():
-        report(args, shape, dtype, device, selected)
+    if args.standin_driver:
+        if device != "cpu":
+            parser.error("--standin-driver: CPU only (on a GPU, profile the real launches)")
+        from benchmarks import standin_cuda
+
+        try:
+            standin_cuda.activate()
+        except RuntimeError as e:
+            parser.error(f"--standin-driver: {e}")
+    selected = providers(device, args.op, common.split_values(args.provider, option="--provider"))
+    report(args, shape, dtype, device, selected)
     return 0
 
 
@@ -226,7 +191,7 @@ def report(args: argparse.Namespace, shape: Sequence[int], dtype: torch.dtype, d
     print(f"{args.op} {args.mode} shape={tuple(shape)}"
           + (f" mask={args.mask}" if args.op == "attention" else "")
           + f" {args.dtype} on {device}, {args.calls} calls; torch {torch.__version__}, fasttrans {fasttrans.__version__}"
-          + ("; Triton kernels stubbed (host work only)" if args.stub_kernels else ""))
+          + ("; Triton launches through the stand-in driver (host work only)" if args.standin_driver else ""))
     for p in selected:
         print(f"\n== {p.name}")
         if p.unavailable:
