@@ -13,8 +13,9 @@ STAMP := $(VENV)/.fasttrans-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+GPU_CHECK_ARGS ?=
 
-.PHONY: demo test test-gpu bench bench-quick compile-check info clean
+.PHONY: demo test test-gpu gpu-check bench bench-quick compile-check info clean
 
 $(STAMP): setup.py
 	@if [ ! -x $(PYTHON) ]; then \
@@ -40,6 +41,10 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PYTHON) -m pytest tests -m gpu $(PYTEST_ARGS)
+
+# the GPU questions in one budgeted run (benchmarks/README.md, "GPU check"); --dry-run works anywhere
+gpu-check: $(STAMP)
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
