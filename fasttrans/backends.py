@@ -37,6 +37,8 @@ norm_fwd(x, residual, weight, bias, eps, rms) -> (y, h or None, mean or None, rs
     x, residual (M, N) with stride(-1) == 1; weight/bias (N,) in x.dtype or fp32, or None.
     h = x + residual (None when residual is None); y = LayerNorm(h) (RMSNorm when rms,
     then mean is None); mean/rstd (M,) fp32 [fp64 for fp64 inputs].
+norm_infer(x, residual, weight, bias, eps, rms) -> (y, h or None, None, None)    [optional]
+    norm_fwd without the statistics, for calls that record no backward.
 norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms) -> (dx, dweight or None, dbias or None)
     h is x + residual (or x); dy, dh contiguous; dh None or the gradient flowing into h,
     added to dx. dx is also the gradient w.r.t. residual.
@@ -360,7 +362,7 @@ class _TritonImpl:
         self.errors: dict[str, str] = {}
         for module, names in (
             ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask")),
-            ("layernorm", ("norm_fwd", "norm_bwd")),
+            ("layernorm", ("norm_fwd", "norm_infer", "norm_bwd")),
             ("dropout", ("dropout_fwd", "dropout_bwd")),
         ):
             try:
@@ -438,11 +440,26 @@ def mask_helpers() -> tuple | None:
     return extension.mask_helpers()
 
 
+# Environment reads on the hot path (each call reads FASTTRANS_BACKEND, a forced call also
+# TRITON_INTERPRET): os.environ decodes its key and value on every read, a plain dict
+# lookup in its byte-keyed store is several times cheaper and sees the same updates.
+_environ_data = getattr(os.environ, "_data", None)
+if not (isinstance(_environ_data, dict) and all(type(k) is bytes for k in list(_environ_data)[:1])):
+    _environ_data = None
+
+
+def _getenv(name: str, key: bytes) -> str | None:
+    if _environ_data is None:
+        return os.environ.get(name)
+    value = _environ_data.get(key)
+    return None if value is None else os.fsdecode(value)
+
+
 def current_forced_backend() -> str | None:
     """The backend forced by use_backend(...) or FASTTRANS_BACKEND, or None for automatic."""
     name = _forced.get()
     if name is _FROM_ENV:
-        name = os.environ.get("FASTTRANS_BACKEND") or None
+        name = _getenv("FASTTRANS_BACKEND", b"FASTTRANS_BACKEND") or None
         if name is not None and name not in BACKENDS:
             raise ValueError(f"FASTTRANS_BACKEND={name!r}: expected one of {', '.join(BACKEND_NAMES)}")
     return name
@@ -465,7 +482,7 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
     if forced is not None:
         # Checked again whenever the environment its checks read changes: the one variable
         # they read (TRITON_INTERPRET) is part of the memo key; a failure is never memoised.
-        key = (forced, op, device, dtype, os.environ.get("TRITON_INTERPRET"))
+        key = (forced, op, device, dtype, _getenv("TRITON_INTERPRET", b"TRITON_INTERPRET"))
         backend = _forced_selection.get(key)
         if backend is None:
             backend = BACKENDS[forced]
@@ -809,8 +826,9 @@ def _eager_function(name: str, kind: str, forward_impl, setup_context, backward)
 
 def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Function]]:
     """(forward, function) of backend ``name``'s ``kind`` op ("attention", "norm",
-    "dropout") for eager calls: its implementation's forward, called as it is when nothing
-    needs a gradient, and an autograd.Function applying it with the op's gradient formulas.
+    "dropout") for eager calls: its implementation's forward (its ``<kind>_infer`` where it
+    has one), called as it is when nothing needs a gradient, and an autograd.Function
+    applying the forward with the op's gradient formulas.
     Both take the registered forward op's arguments; absent outputs come back as None where
     the op returns empty tensors."""
     route = _eager_routes.get((name, kind))
@@ -821,7 +839,9 @@ def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Fun
             methods = [_below_autograd(m) for m in methods]
         formulas = _autograd_formulas(name, *methods[1::2])
         forward = methods[("attention", "norm", "dropout").index(kind) * 2]
-        route = _eager_routes[(name, kind)] = (forward, _eager_function(name, kind, forward, *formulas[kind]))
+        function = _eager_function(name, kind, forward, *formulas[kind])
+        infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
+        route = _eager_routes[(name, kind)] = (forward if infer is None else infer, function)
     return route
 
 

@@ -33,7 +33,7 @@ from triton.runtime.autotuner import Autotuner
 
 from . import LAUNCH_OPTIONS
 
-__all__ = ["Launcher", "PLANNED_VERSIONS", "plans_enabled"]
+__all__ = ["Launcher", "Spec", "PLANNED_VERSIONS", "plans_enabled"]
 
 # Triton versions whose JITFunction.run launches as ``kernel.run(grid_0, grid_1, grid_2,
 # stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``
@@ -101,16 +101,30 @@ class _Plan:
         self.run, self.function, self.metadata, self.tail, self.meta = run, function, metadata, tail, meta
 
 
+class Spec:
+    """The constexprs and options (num_warps, num_stages) of one launch configuration. Made
+    once per configuration and reused: plans are looked up by a spec's identity, which costs
+    nothing per call, where its contents would have to be hashed."""
+
+    __slots__ = ("constexprs", "options")
+
+    def __init__(self, constexprs: dict, **options):
+        self.constexprs, self.options = dict(constexprs), options
+
+    def __repr__(self) -> str:
+        return f"Spec({self.constexprs}, {self.options})"
+
+
 class Launcher:
     """Launches one ``@triton.jit`` kernel, or a ``triton.autotune`` of one, through plans.
 
-    ``launcher(grid, args, constexprs, device_index, **options)``: ``grid`` is a tuple, or a
-    function of the launch meta-parameters (the constexprs and the chosen configuration)
-    returning one; ``args`` are the kernel's runtime arguments, in order, and must be its
-    leading parameters; ``constexprs`` the rest by name (insertion order is part of the key);
-    ``options`` (num_warps, num_stages) go to Triton. Returns nothing. ``fresh`` names tensor
-    parameters that always get a whole new allocation (so aligned) in a dtype that the
-    other arguments' keys and the constexprs fix: they are not keyed.
+    ``launcher(grid, args, spec, device_index)``: ``grid`` is a tuple, or a function of the
+    launch meta-parameters (the constexprs and the chosen configuration) returning one;
+    ``args`` are the kernel's runtime arguments, in order, and must be its leading
+    parameters; ``spec`` a :class:`Spec` (or a dict of constexprs, looked up by its contents
+    at some cost per call). Returns nothing. ``fresh`` names tensor parameters that always
+    get a whole new allocation (so aligned) in a dtype that the other arguments' keys and the
+    constexprs fix: they are not keyed.
     """
 
     def __init__(self, kernel, fresh: tuple[str, ...] = ()):
@@ -127,37 +141,47 @@ class Launcher:
         self.fresh = {kernel.arg_names.index(n) for n in fresh}
         self.plans: dict = {}
         self.layouts: dict[tuple, _Layout] = {}
+        self.specs: dict[tuple, Spec] = {}
 
-    def __call__(self, grid, args: tuple, constexprs: dict, device_index: int | None = None, **options):
+    def spec(self, constexprs: dict, **options) -> Spec:
+        """The one Spec of these constexprs and options (insertion order counts)."""
+        key = (tuple(constexprs.items()), tuple(options.items()))
+        spec = self.specs.get(key)
+        if spec is None:
+            spec = self.specs[key] = Spec(constexprs, **options)
+        return spec
+
+    def __call__(self, grid, args: tuple, spec, device_index: int | None = None, **options):
+        if type(spec) is not Spec:
+            spec = self.spec(spec, **options)
         if not _PLANS or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
-            self._public(grid, args, constexprs, options)
+            self._public(grid, args, spec)
             return
         types = tuple(map(type, args))
         layout = self.layouts.get(types)
         if layout is None:
             layout = self.layouts[types] = _Layout(types, self.fresh)
-        key = (tuple(constexprs.items()), types, layout.key(args), self.tune_key(args),
-               tuple(options.items()), device_index)
+        key = (spec, types, layout.key(args), self.tune_key(args), device_index)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = self._plan(grid, args, constexprs, options, device_index)
+            plan = self.plans[key] = self._plan(grid, args, spec)
             return  # _plan launched it
         g = grid(plan.meta) if callable(grid) else grid
         g1 = g[1] if len(g) > 1 else 1
         g2 = g[2] if len(g) > 2 else 1
-        stream = triton.runtime.driver.active.get_current_stream(device_index if device_index is not None else 0)
+        stream = _get_stream(device_index if device_index is not None else 0)
         plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
 
-    def _public(self, grid, args, constexprs, options):
-        return self.kernel[grid](*args, **constexprs, **options, **LAUNCH_OPTIONS)
+    def _public(self, grid, args, spec: Spec):
+        return self.kernel[grid](*args, **spec.constexprs, **spec.options, **LAUNCH_OPTIONS)
 
-    def _plan(self, grid, args, constexprs, options, device_index) -> _Plan:
+    def _plan(self, grid, args, spec: Spec) -> _Plan:
         params = self.jit.params
         if any(p.is_constexpr for p in params[:len(args)]):
             # a constexpr's value would be keyed by its alignment class only
             raise TypeError(f"{self.jit.__name__}: pass constexpr parameters by name, not among args")
-        compiled = self._public(grid, args, constexprs, options)
-        meta = dict(constexprs)
+        compiled = self._public(grid, args, spec)
+        meta = dict(spec.constexprs)
         if self.tuned:
             meta.update(self.kernel.best_config.kwargs)
         tail = []
@@ -169,3 +193,8 @@ class Launcher:
             else:
                 raise TypeError(f"{self.jit.__name__}: no value for parameter {p.name}")
         return _Plan(compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), meta)
+
+
+def _get_stream(device_index: int):
+    """The current stream of a device, as Triton's launch reads it (the active driver's)."""
+    return triton.runtime.driver.active.get_current_stream(device_index)

@@ -43,6 +43,7 @@ sm_80 and sm_90 (``compile_targets()``, checked by ``python -m fasttrans compile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 
@@ -53,7 +54,7 @@ import triton.language as tl
 from fasttrans.dropout_spec import FLAT_DOMAIN, dropout_threshold
 
 from . import cdiv, on_device
-from ._launch import Launcher
+from ._launch import Launcher, Spec
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
            "CONFIG"]
@@ -201,6 +202,12 @@ def _rne_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)  # asked per call; a pure function of its arguments
+def _spec(cfg: DropoutConfig, index_64: bool, rne_bf16: bool) -> Spec:
+    return Spec(dict(BLOCK=cfg.BLOCK, INDEX_64=index_64, RNE_BF16=rne_bf16), num_warps=cfg.num_warps,
+                num_stages=NUM_STAGES)
+
+
 # outputs allocated here, in dtypes fixed by the inputs (see kernels._launch.Launcher)
 _FWD = Launcher(_dropout_fwd_kernel, fresh=("Y", "Keep"))
 _BWD = Launcher(_dropout_bwd_kernel, fresh=("DX",))
@@ -221,8 +228,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
     if numel:
         with on_device(x):
             _FWD((cdiv(numel, cfg.BLOCK),), (x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p)),
-                 dict(BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(x.dtype)),
-                 x.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+                 _spec(cfg, _index_64(numel, cfg.BLOCK), _rne_bf16(x.dtype)), x.device.index)
     return y, keep.view(torch.bool)
 
 
@@ -240,8 +246,7 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
     if numel:
         with on_device(dy):
             _BWD((cdiv(numel, cfg.BLOCK),), (dy, keep, dx, numel, dropout_scale(p)),
-                 dict(BLOCK=cfg.BLOCK, INDEX_64=_index_64(numel, cfg.BLOCK), RNE_BF16=_rne_bf16(dy.dtype)),
-                 dy.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+                 _spec(cfg, _index_64(numel, cfg.BLOCK), _rne_bf16(dy.dtype)), dy.device.index)
     return dx
 
 

@@ -65,9 +65,9 @@ import triton
 import triton.language as tl
 
 from . import cdiv, device_index, multiprocessors, next_power_of_2, on_device
-from ._launch import Launcher
+from ._launch import Launcher, Spec
 
-__all__ = ["norm_fwd", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
+__all__ = ["norm_fwd", "norm_infer", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
 # --------------------------------------------------------------------------------------
 # Launch configurations
@@ -205,6 +205,7 @@ def _norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STORE_STATS: tl.constexpr = True,  # False: inference, no backward will read mean and rstd
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -235,8 +236,10 @@ def _norm_fwd_kernel(
         var = tl.sum(diff * diff, axis=1) / N
         rstd = tl.rsqrt(var + eps)
         xhat = diff * rstd[:, None]
-        tl.store(MEAN + rows, mean, mask=row_mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+        if STORE_STATS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
 
     y = xhat
     if HAS_WEIGHT:
@@ -268,6 +271,7 @@ def _norm_fwd_split_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STORE_STATS: tl.constexpr = True,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -306,9 +310,10 @@ def _norm_fwd_split_kernel(
             n = n_ac
     rstd = tl.rsqrt(m2 / N + eps)
     mean = first + mean
-    if not IS_RMS:
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    if STORE_STATS:
+        if not IS_RMS:
+            tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
 
     # pass 2: normalise, recomputing the same rounded h from x and r
     for start in range(0, N, BLOCK_N):
@@ -519,7 +524,7 @@ def _check_rows(name: str, t: torch.Tensor, M: int, N: int) -> None:
             f"{name}: the triton backend supports float32, float16 and bfloat16, got {t.dtype} "
             "(use the 'reference' or 'extension' backend for float64)"
         )
-    if t.dim() != 2 or tuple(t.shape) != (M, N):
+    if t.shape != (M, N):
         raise ValueError(f"{name}: expected shape ({M}, {N}), got {tuple(t.shape)}")
     if N > 1 and t.stride(1) != 1:
         raise ValueError(f"{name}: expected unit stride along the last dim, got strides {t.stride()}")
@@ -542,7 +547,24 @@ def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     return stand_in if t is None else t
 
 
-def norm_fwd(x, residual, weight, bias, eps, rms):
+@functools.lru_cache(maxsize=None)  # asked per call; a pure function of its arguments
+def _fwd_launch(N: int, rms: bool, has_residual: bool, has_weight: bool, has_bias: bool, stats: bool) -> tuple:
+    """(launcher, spec, rows per program) of the forward for rows of N elements."""
+    cfg = fwd_config(N)
+    flags = dict(IS_RMS=rms, HAS_RESIDUAL=has_residual, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                 STORE_STATS=stats)
+    if cfg.split:
+        return _FWD_SPLIT, Spec(dict(BLOCK_N=cfg.BLOCK_N, **flags), num_warps=cfg.num_warps, num_stages=NUM_STAGES), 1
+    spec = Spec(dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags), num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    return _FWD, spec, cfg.BLOCK_M
+
+
+def norm_infer(x, residual, weight, bias, eps, rms):
+    """(y, h or None, None, None): the forward without the statistics only a backward reads."""
+    return norm_fwd(x, residual, weight, bias, eps, rms, stats=False)
+
+
+def norm_fwd(x, residual, weight, bias, eps, rms, stats: bool = True):
     """(y, h or None, mean or None, rstd): see fasttrans.backends for the contract."""
     M, N = x.shape
     _check_rows("x", x, M, N)
@@ -553,26 +575,26 @@ def norm_fwd(x, residual, weight, bias, eps, rms):
     weight = _vector("weight", weight, N)
     bias = None if rms else _vector("bias", bias, N)
 
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device) if residual is not None else None
-    mean = None if rms else torch.empty((M,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    device = x.device
+    x_stride = x.stride(0)
+    # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
+    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
+    h = torch.empty_like(y) if residual is not None else None
+    mean = rstd = None
+    if stats:
+        mean = None if rms else torch.empty((M,), dtype=torch.float32, device=device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=device)
     args = (
-        x, _or(residual, x), _or(weight, x), _or(bias, x), y, _or(h, y), _or(mean, rstd), rstd,
-        x.stride(0), _or(residual, x).stride(0), y.stride(0), N,
+        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
+        y, y if h is None else h, mean if mean is not None else rstd if rstd is not None else y,
+        y if rstd is None else rstd,  # stand-ins for absent outputs are never written
+        x_stride, x_stride if residual is None else residual.stride(0), N, N,  # y and h are fresh (M, N) rows
         M, N, float(eps),
     )
-    flags = dict(
-        IS_RMS=bool(rms), HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-    )
-    cfg = fwd_config(N)
+    launcher, spec, rows = _fwd_launch(N, bool(rms), residual is not None, weight is not None, bias is not None,
+                                       stats)
     with on_device(x):
-        if cfg.split:
-            _FWD_SPLIT((M,), args, dict(BLOCK_N=cfg.BLOCK_N, **flags), x.device.index, num_warps=cfg.num_warps,
-                       num_stages=NUM_STAGES)
-        else:
-            _FWD((cdiv(M, cfg.BLOCK_M),), args, dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags),
-                 x.device.index, num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+        launcher((cdiv(M, rows),), args, spec, device.index)
     return y, h, mean, rstd
 
 
@@ -595,7 +617,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     mean = None if rms else mean
     device = h.device
     cfg = bwd_config(N)
-    launch = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    sums_spec, bwd_spec, reduce_spec = _bwd_specs(N, bool(rms), w is not None, b is not None, dh is not None)
 
     # P programs (times the column chunks when split), each owning a contiguous block of
     # rows_per_program rows and writing one row of the (P, N) dW/dB partials
@@ -623,7 +645,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
             (M,),
             (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
              h.stride(0), dy.stride(0), N),
-            dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=bool(rms), HAS_WEIGHT=w is not None), device.index, **launch,
+            sums_spec, device.index,
         )
     _BWD(
         (num_partials, col_blocks),
@@ -631,22 +653,37 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
          _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
          h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
          M, N, rows_per_program),
-        dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=bool(rms),
-             HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, HAS_DH=dh is not None),
-        device.index, **launch,
+        bwd_spec, device.index,
     )
 
     dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
     db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
     if w is not None or b is not None:
-        red = reduce_config(N)
         _BWD_REDUCE(
-            (cdiv(N, red.BLOCK_N),),
+            (cdiv(N, reduce_spec.constexprs["BLOCK_N"]),),
             (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N),
-            dict(BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None),
-            device.index, num_warps=red.num_warps, num_stages=NUM_STAGES,
+            reduce_spec, device.index,
         )
-    return dx, (None if dw is None else dw.view(weight.shape)), (None if db is None else db.view(bias.shape))
+    return dx, _like(dw, weight), _like(db, bias)
+
+
+def _like(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's (N,) gradient in the parameter's shape."""
+    return grad if grad is None or param.dim() == 1 else grad.view(param.shape)
+
+
+@functools.lru_cache(maxsize=None)  # asked per call; a pure function of its arguments
+def _bwd_specs(N: int, rms: bool, has_weight: bool, has_bias: bool, has_dh: bool) -> tuple:
+    """Specs of the backward's row-sums (split rows), dx and dW/dB-partials, and stage-2 launches."""
+    cfg, red = bwd_config(N), reduce_config(N)
+    options = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
+    return (
+        Spec(dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=rms, HAS_WEIGHT=has_weight), **options),
+        Spec(dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=rms, HAS_WEIGHT=has_weight,
+                  HAS_BIAS=has_bias, HAS_DH=has_dh), **options),
+        Spec(dict(BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias),
+             num_warps=red.num_warps, num_stages=NUM_STAGES),
+    )
 
 
 # --------------------------------------------------------------------------------------
