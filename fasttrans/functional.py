@@ -47,6 +47,7 @@ class DeviceError(ValueError, RuntimeError):
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STRIDED = torch.strided
 MAX_HEAD_DIM = 256
 
 
@@ -434,24 +435,30 @@ def _common_norm_args(x, n, weight, bias, eps, residual) -> bool:
     x), a residual like x and a float eps. It vouches only for what it checks: anything else
     takes the detailed checks (:func:`_validate_norm_in_detail`), which say which argument is wrong.
     Those cost several microseconds, as much as normalising a short row."""
-    if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dtype in _FLOAT_DTYPES
-            and x.dim() >= 1 and x.shape[-1] == n):
+    if not (isinstance(x, torch.Tensor) and x.layout is _STRIDED and x.dim() >= 1 and x.shape[-1] == n
+            and type(eps) is float and 0.0 <= eps < math.inf):
         return False
-    device, dtype = x.device, x.dtype
-    for p in (weight, bias):
-        if p is not None and not (
-            isinstance(p, torch.Tensor) and p.layout == torch.strided and p.dim() == 1 and p.shape[0] == n
-            and p.device == device and (p.dtype == dtype or (p.dtype == torch.float32 and dtype in _LOW_PRECISION))
-        ):
-            return False
-    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+    dtype = x.dtype
+    if dtype not in _FLOAT_DTYPES:
         return False
-    if residual is not None and not (
-        isinstance(residual, torch.Tensor) and residual.layout == torch.strided and residual.dtype == dtype
-        and residual.shape == x.shape and residual.device == device
-    ):
+    if weight is None and bias is None and residual is None:
+        return True
+    device = x.device
+    if weight is not None and not _common_param(weight, n, dtype, device):
         return False
-    return type(eps) is float and 0.0 <= eps < math.inf
+    if bias is not None and not (_common_param(bias, n, dtype, device)
+                                 and (weight is None or weight.dtype == bias.dtype)):
+        return False
+    return residual is None or (
+        isinstance(residual, torch.Tensor) and residual.layout is _STRIDED and residual.dtype == dtype
+        and residual.shape == x.shape and residual.device == device)
+
+
+def _common_param(p, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a norm's weight or bias is a strided (n,) tensor on device in dtype (or float32
+    with a float16/bfloat16 x)."""
+    return (isinstance(p, torch.Tensor) and p.layout is _STRIDED and p.dim() == 1 and p.shape[0] == n
+            and (p.dtype == dtype or (p.dtype == torch.float32 and dtype in _LOW_PRECISION)) and p.device == device)
 
 
 def _validate_norm(x, normalized_shape, weight, bias, eps, residual=None, eps_may_be_none=False,
