@@ -81,10 +81,11 @@ class _Layout:
 
     def key(self, args: tuple) -> tuple:
         tensors, ints = self.tensors(args), self.ints(args)
-        # per tensor: dtype and 16-byte alignment; per integer: residue mod 16, == 1, and
+        # per tensor: dtype and 16-byte alignment; per integer: divisible by 16, == 1, and
         # (for the set, per integer when not all are) within int32. Floats and bools are
         # typed by the type pattern.
-        return (tuple(map(_dtype_of, tensors)), tuple(map(_mod16, chain(ints, map(_data_ptr, tensors)))),
+        residues = map(_mod16, chain(ints, map(_data_ptr, tensors)))
+        return (tuple(map(_dtype_of, tensors)), tuple(map(operator.not_, residues)),
                 tuple(map(_is_one, ints)),
                 not ints or (_INT32_MIN <= min(ints) and max(ints) < _INT32_END)
                 or tuple(_INT32_MIN <= v < _INT32_END for v in ints))
