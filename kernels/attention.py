@@ -83,6 +83,7 @@ thread.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import os
@@ -1094,14 +1095,6 @@ def _tf32_allowed() -> bool:
     return precision == "tf32"
 
 
-def _dot_options(dtype: torch.dtype) -> dict:
-    return {
-        # the interpreter's bf16 tl.dot is wrong: upcast the operands there (tensor cores on GPU)
-        "DOT_FP32": dtype == torch.bfloat16 and _interpreting(),
-        "INPUT_PRECISION": input_precision(dtype),
-    }
-
-
 def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
     """(tensor, MASK_KIND, strides) for the kernels; a bool mask is read as uint8 (same bytes)."""
     if attn_mask is None:
@@ -1119,12 +1112,23 @@ def _lengths_operand(key_lengths: torch.Tensor | None, q: torch.Tensor) -> torch
 
 
 def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
-    D = q.shape[3]
-    _, mask_kind, _ = _mask_operand(attn_mask, q)
+    """The launch's constexprs from its inputs (a shared dict: copy it to change it)."""
+    mask_kind = MASK_NONE if attn_mask is None else MASK_BOOL if attn_mask.dtype == torch.bool else MASK_FLOAT
+    dtype = q.dtype
+    # the TF32 flag is read per call, as torch reads it per matmul; 16-bit inputs ignore it.
+    # The interpreter's bf16 tl.dot is wrong: DOT_FP32 upcasts the operands there.
+    precision = input_precision(dtype) if dtype == torch.float32 else "ieee"
+    return _features_of(q.shape[3], mask_kind, key_lengths is not None, bool(is_causal), dropout_p > 0.0,
+                        dtype == torch.bfloat16 and _interpreting(), precision)
+
+
+@functools.lru_cache(maxsize=None)
+def _features_of(D: int, mask_kind: int, has_key_lengths: bool, is_causal: bool, has_dropout: bool,
+                 dot_fp32: bool, input_precision: str) -> dict:
     return dict(
         HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), MASK_KIND=mask_kind,
-        HAS_KEY_LENGTHS=key_lengths is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=dropout_p > 0.0,
-        **_dot_options(q.dtype),
+        HAS_KEY_LENGTHS=has_key_lengths, IS_CAUSAL=is_causal, HAS_DROPOUT=has_dropout,
+        DOT_FP32=dot_fp32, INPUT_PRECISION=input_precision,
     )
 
 
@@ -1133,7 +1137,8 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
     _check_dtype(q)
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if Lk == 0:  # no key at all: every row is empty
         return out.zero_(), lse.fill_(float("inf"))
