@@ -1,12 +1,12 @@
 """Kernel launches through cached launch plans.
 
 ``kernel[grid](*args, **constexprs)`` makes Triton bind and specialise every argument, hash
-the result and look the compiled kernel up, on every call: about 15 µs of host time per
-launch (an autotuned kernel adds its own lookup), longer than many of these kernels run on
-a GPU. A :class:`Launcher` does that once per *specialisation key* and keeps a plan: the
-compiled kernel's C launcher, its function handle and metadata, the constexpr values that
-complete the argument list and, for an autotuned kernel, the configuration it picked. Later
-calls with the same key call the C launcher directly.
+the result and look the compiled kernel up, on every call (an autotuned kernel adds its
+own lookup): more host time than many of these kernels run on a GPU (benchmarks/README.md,
+"Host cost"). A :class:`Launcher` does that once per *specialisation key* and keeps a
+plan: the compiled kernel's C launcher, its function handle and metadata, the constexpr
+values that complete the argument list and, for an autotuned kernel, the configuration it
+picked. Later calls with the same key call the C launcher directly.
 
 The key holds everything Triton specialises on, or more: the constexprs, and per runtime
 argument its dtype and 16-byte alignment (tensors), or whether it is 1, divisible by 16 and
