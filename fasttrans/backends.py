@@ -443,8 +443,8 @@ def mask_helpers() -> tuple | None:
 # Environment reads on the hot path (each call reads FASTTRANS_BACKEND, a forced call also
 # TRITON_INTERPRET): os.environ decodes its key and value on every read, a plain dict
 # lookup in its byte-keyed store is several times cheaper and sees the same updates.
-_environ_data = getattr(os.environ, "_data", None)
-if not (isinstance(_environ_data, dict) and all(type(k) is bytes for k in list(_environ_data)[:1])):
+_environ_data = getattr(os.environ, "_data", None) if os.name == "posix" else None  # bytes keys there
+if not isinstance(_environ_data, dict):
     _environ_data = None
 
 

@@ -526,7 +526,7 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """(M, N) view of t (a copy only when the trailing dims cannot be flattened)."""
     if t.dim() != 2 or t.shape[1] != n:
         t = t.reshape(-1, n)
-    return t if t.stride(1) == 1 or n == 1 else t.contiguous()
+    return backends.last_dim_unit_stride(t)
 
 
 def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
