@@ -78,16 +78,16 @@ def _timed(forward, args, mode: str, wrt=(), grad_out=None):
 # cases
 # --------------------------------------------------------------------------------------
 def _norm_forward(op: str, library: str):
+    """f(x, r, w, b) -> y for the op, as fasttrans or torch computes it."""
     import fasttrans
 
-    lib = fasttrans if library == "fasttrans" else None
-    if op == "layer_norm":
-        return (lambda x, r, w, b: lib.layer_norm(x, (N,), w, b)) if lib else (
-            lambda x, r, w, b: F.layer_norm(x, (N,), w, b))
-    if op == "add_layer_norm":
-        return (lambda x, r, w, b: lib.add_layer_norm(x, r, w, b)[0]) if lib else (
-            lambda x, r, w, b: F.layer_norm(x + r, (N,), w, b))
-    return (lambda x, r, w, b: lib.rms_norm(x, (N,), w)) if lib else (lambda x, r, w, b: F.rms_norm(x, (N,), w))
+    if library == "fasttrans":
+        return {"layer_norm": lambda x, r, w, b: fasttrans.layer_norm(x, (N,), w, b),
+                "add_layer_norm": lambda x, r, w, b: fasttrans.add_layer_norm(x, r, w, b)[0],
+                "rms_norm": lambda x, r, w, b: fasttrans.rms_norm(x, (N,), w)}[op]
+    return {"layer_norm": lambda x, r, w, b: F.layer_norm(x, (N,), w, b),
+            "add_layer_norm": lambda x, r, w, b: F.layer_norm(x + r, (N,), w, b),
+            "rms_norm": lambda x, r, w, b: F.rms_norm(x, (N,), w)}[op]
 
 
 def norm_config(bench, op: str, mode: str, dtype: torch.dtype) -> Config:
