@@ -44,14 +44,17 @@ setup(
     long_description=long_description,
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["fasttrans", "fasttrans.nn", "fasttrans.models", "fasttrans.tasks", "fasttrans.kernels", "fasttrans.csrc"],
+    packages=["fasttrans", "fasttrans.nn", "fasttrans.models", "fasttrans.tasks", "fasttrans.integrations",
+              "fasttrans.kernels", "fasttrans.csrc"],
     package_dir={"fasttrans.kernels": "kernels", "fasttrans.csrc": "csrc"},
     package_data={"fasttrans.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},
     install_requires=["torch>=2.4", "triton>=3.0; platform_system == 'Linux'", "ninja"],
     # the demo and training command (progress bars, the loss plot) and the test suite need more than the library
     extras_require={
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "threadpoolctl", "numpy", "tqdm", "matplotlib"],
+        "test": ["pytest", "hypothesis", "threadpoolctl", "numpy", "tqdm", "matplotlib", "transformers>=5,<6"],
+        # the range fasttrans.integrations.transformers supports (SUPPORTED_VERSIONS there)
+        "transformers": ["transformers>=5,<6"],
     },
     entry_points={"console_scripts": ["fasttrans=fasttrans.cli:main"]},
     cmdclass={"build_py": BuildPyWithExtension},

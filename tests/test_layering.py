@@ -39,6 +39,7 @@ LAYERS = [
     ("fasttrans.conversion", 5, "conversion"),
     ("fasttrans.models", 5, "models"),
     ("fasttrans.tasks", 6, "tasks"),
+    ("fasttrans.integrations", 6, "integrations"),  # other libraries' models on fasttrans (conversion, nn)
     ("fasttrans.train", 6, "train"),
     ("fasttrans.compile_check", 7, "tools"),
     ("fasttrans.cli", 7, "tools"),

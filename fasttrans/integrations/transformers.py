@@ -1,0 +1,374 @@
+"""Hugging Face transformers models on fasttrans's kernels.
+
+    import fasttrans.integrations.transformers as ftt
+
+    ftt.register()                      # attn_implementation="fasttrans" now exists
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fasttrans")
+    model, skipped = ftt.apply(model)   # norms too (and the attention, if not chosen at load)
+
+``register()`` adds an attention function and its mask function to transformers'
+``AttentionInterface`` and ``AttentionMaskInterface`` under the name ``"fasttrans"``.
+transformers builds the mask through the mask function (an unknown name gets no mask at
+all, which would silently ignore padding), in the form ``scaled_dot_product_attention``
+takes (bool, True = may attend), except that it is left out (None) where the attention
+function can say the same with flags:
+
+    transformers' mask                                 fasttrans.attention
+    -------------------------------------------------  ------------------------------------
+    causal, no padding, last query on the last key     is_causal, causal_offset = Lk - Lq
+    bidirectional, no padding                          no mask
+    anything else (padding, caches with other          attn_mask (bool), plus key_lengths =
+      offsets, sliding windows, packed sequences,        one past the last key any query may
+      custom 2-D or 4-D masks)                           see (whole tiles of right padding skipped)
+    float 4-D masks (added to the scores)              attn_mask (float)
+    T5's position_bias (scaling=1.0)                   attn_mask = bias, with the bool mask's
+                                                         False as -inf; its gradient flows
+
+Whether a 2-D padding mask has padding at all is read only where that needs no
+synchronisation (a CPU tensor, outside tracing); elsewhere the mask is built. The
+attention function reads no tensor value on the host.
+
+``apply(model)`` replaces transformers' RMSNorm classes that compute
+``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
+:class:`RMSNorm`, and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the
+Parameter objects and state_dict keys; norms that compute something else (Gemma's
+``(1 + weight)``) are reported, not replaced. docs/integrations.md has the details.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from .. import conversion
+from .. import functional as FT
+from .. import nn as ftnn
+
+__all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "RMSNorm"]
+
+NAME = "fasttrans"
+SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
+
+# keyword arguments of transformers' attention interface that the kernels cannot honour
+_UNSUPPORTED = {
+    "softcap": "logit soft-capping (Gemma 2, Grok)",
+    "s_aux": "attention sinks (gpt-oss)",
+    "sinks": "attention sinks",
+    "head_mask": "head masks",
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("fasttrans.integrations.transformers needs the transformers package: "
+                          "pip install 'fasttrans[transformers]'") from e
+    return transformers
+
+
+def _check_version(version: str) -> None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    (lo, hi) = SUPPORTED_VERSIONS
+    if m is None or not lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        raise RuntimeError(
+            f"transformers {version} is not supported by fasttrans.integrations.transformers: expected a version "
+            f">= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]} (pip install 'fasttrans[transformers]')"
+        )
+
+
+def register() -> None:
+    """Register the ``"fasttrans"`` attention function and its mask function with transformers.
+
+    Raises RuntimeError when the installed transformers is outside ``SUPPORTED_VERSIONS``.
+    Calling it again is harmless.
+    """
+    transformers = _transformers()
+    _check_version(transformers.__version__)
+    transformers.AttentionInterface.register(NAME, attention_forward)
+    transformers.AttentionMaskInterface.register(NAME, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------
+# the mask function
+# ---------------------------------------------------------------------------------------
+def _no_padding(padding: torch.Tensor | None, kv_length: int, kv_offset) -> bool:
+    """Whether the 2-D padding mask lets every key through, answered only where reading
+    its values costs no synchronisation (a CPU tensor, not traced); False otherwise."""
+    if padding is None:
+        return True
+    if padding.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return bool(padding[:, kv_offset:kv_offset + kv_length].all())
+
+
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers' mask function for ``"fasttrans"``: None where :func:`attention_forward`
+    can say the mask with ``is_causal`` (bottom-right aligned) or no mask, else transformers'
+    own bool mask (``masking_utils.sdpa_mask``: True = may attend), always built."""
+    mu = _transformers().masking_utils
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if mask_function is mu.causal_mask_function and allow_is_causal_skip:
+        # None means "causal with causal_offset = Lk - Lq"; a static cache's prefill (queries
+        # from 0, keys to the cache's end) is aligned top-left and keeps its mask
+        aligned = (type(q_offset) is int and type(kv_offset) is int
+                   and q_offset + q_length == kv_offset + kv_length)
+        if aligned and _no_padding(padding, kv_length, kv_offset):
+            return None
+    if mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip:
+        if _no_padding(padding, kv_length, kv_offset):
+            return None
+    return mu.sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+        allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the attention function
+# ---------------------------------------------------------------------------------------
+def _reject_unsupported(module: nn.Module, kwargs: dict) -> None:
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: attn_implementation='fasttrans' does not support {what}; got {name} set "
+                             f"by {type(module).__name__} (use attn_implementation='eager' for this model)")
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        raise ValueError("output_attentions: attn_implementation='fasttrans' never materialises the attention "
+                         "weights; expected output_attentions=False (use attn_implementation='eager' to get them)")
+
+
+def _key_lengths(mask: torch.Tensor, batch: int, kv_length: int) -> torch.Tensor | None:
+    """(B,) one past the last key that any query of a sequence may see, from a bool mask,
+    on its device (no synchronisation): with the mask, the kernels skip the tiles past it."""
+    if mask.dim() != 4 or mask.shape[-1] != kv_length or mask.shape[0] not in (1, batch):
+        return None
+    visible = mask.any(dim=2).any(dim=1)  # (b, Lk)
+    positions = torch.arange(1, kv_length + 1, device=mask.device)
+    return (visible * positions).amax(dim=-1).expand(batch)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface on ``fasttrans.attention``.
+
+    query (B, H, Lq, D), key and value (B, Hkv, Lk, D) (grouped-query heads go through as
+    they are); returns ((B, Lq, H, D), None). Arguments the kernels cannot honour raise
+    ValueError naming them.
+    """
+    _reject_unsupported(module, kwargs)
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    position_bias = kwargs.get("position_bias")
+    if attention_mask is None:
+        window = kwargs.get("sliding_window")
+        if window is not None and Lk > window:
+            raise ValueError(f"sliding_window: got {window} with {Lk} keys and no attention mask, which is where "
+                             "transformers' mask function puts the window; build the model with "
+                             "attn_implementation='fasttrans' after fasttrans.integrations.transformers.register()")
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+            raise ValueError("cu_seq_lens_q: packed sequences given only as cumulative lengths (no attention mask) "
+                             "are not supported; pass position_ids so that transformers builds their mask")
+    attn_mask, key_lengths, flag = None, None, False
+    if attention_mask is None:
+        flag = bool(causal)
+    elif not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__} "
+                        "(a mask built for another attn_implementation?)")
+    elif attention_mask.dtype == torch.bool:
+        attn_mask = attention_mask
+        key_lengths = _key_lengths(attention_mask, B, Lk)
+    else:
+        attn_mask = attention_mask  # additive, as in eager attention
+    if position_bias is not None:
+        if attn_mask is None:
+            attn_mask = position_bias
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, position_bias, float("-inf"))
+        else:
+            attn_mask = position_bias + attn_mask
+    out = FT.attention(
+        query, key, value, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=flag,
+        causal_offset=Lk - Lq if flag else 0, dropout_p=float(dropout),
+        scale=None if scaling is None else float(scaling),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---------------------------------------------------------------------------------------
+# norms
+# ---------------------------------------------------------------------------------------
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class RMSNorm(ftnn.RMSNorm):
+    """``fasttrans.nn.RMSNorm`` in the place of a transformers RMSNorm (``LlamaRMSNorm``,
+    ``T5LayerNorm``, ...): the same ``weight`` Parameter and state_dict, the eps also as
+    ``variance_epsilon``, and the output dtype those modules return (the promotion of the
+    input's and the weight's dtypes); the statistics accumulate in fp32, as theirs do."""
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is None or w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
+            out = super().forward(x)
+        else:  # a weight the kernels do not pair with x's dtype: compute in the promoted one
+            dtype = torch.promote_types(x.dtype, w.dtype)
+            out = FT.rms_norm(x.to(dtype), self.normalized_shape, w.to(dtype), self.eps)
+        return out if w is None else out.to(torch.promote_types(x.dtype, w.dtype))
+
+
+def _rms_norm_eps(m: nn.Module) -> tuple[float | None, str | None]:
+    """(eps, None) for a transformers norm that may compute weight * x / rms(x), else (None, why)."""
+    own_params = {n for n, p in m._parameters.items() if p is not None}
+    if own_params != {"weight"}:
+        return None, f"its parameters are {sorted(own_params)}, not a weight alone (an RMS norm has no bias)"
+    if any(b is not None for b in m._buffers.values()) or any(c is not None for c in m._modules.values()):
+        return None, "it holds buffers or submodules, which an RMS norm does not"
+    if m.weight.dim() != 1:
+        return None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,)"
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None, "it has no float variance_epsilon or eps attribute"
+    if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_hf_hook", None) is not None:
+        return None, "it has forward hooks (apply fasttrans before adding hooks or dispatching the model)"
+    if m.weight.device.type == "meta":
+        return None, "its weight is on the meta device (load the weights first)"
+    return float(eps), None
+
+
+def _behaves_as_rms_norm(m: nn.Module, eps: float) -> str | None:
+    """None when m's forward computes weight * x / sqrt(mean(x^2) + eps) on a probe; else why not.
+    The probe has a row whose mean square is near eps (where eps is added shows) and one
+    far from zero mean (a mean subtraction shows)."""
+    w = m.weight
+    n = w.shape[0]
+    g = torch.Generator().manual_seed(0)  # leaves torch's global generator alone
+    x = torch.randn(4, n, generator=g, dtype=torch.float64)
+    x[1] *= max(eps, 1e-12) ** 0.5
+    x[2] += 3.0
+    xd = x.to(device=w.device, dtype=torch.float32)
+    with torch.no_grad():
+        try:
+            got = m(xd).double()
+        except Exception as e:  # a forward that cannot take this probe is not the one assumed
+            return f"its forward failed on a probe ({type(e).__name__}: {e})"
+        x64 = xd.double()
+        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    # fp32 arithmetic, rounded once more to the weight's dtype where the module does that
+    tol = 8 * max(torch.finfo(torch.float32).eps, torch.finfo(w.dtype).eps if w.dtype.is_floating_point else 0)
+    err = ((got - want).abs() / (want.abs() + tol)).max().item()
+    if got.shape != want.shape or not err <= tol:
+        return (f"its output differs from weight * x / sqrt(mean(x^2) + eps) (relative error {err:.2g} on a "
+                "probe): a different formula, such as Gemma's x / rms(x) * (1 + weight), which fasttrans.rms_norm "
+                "does not compute")
+    return None
+
+
+def _is_hf_norm(m: nn.Module) -> bool:
+    cls = type(m)
+    return (cls.__module__.startswith("transformers.") and cls.__name__.endswith(("RMSNorm", "LayerNorm"))
+            and not isinstance(m, nn.LayerNorm))
+
+
+def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
+    skipped: list[tuple[str, str]] = []
+    done: dict[int, nn.Module] = {}  # a module held at several paths gets one replacement
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            path = f"{prefix}.{child_name}" if prefix else child_name
+            if id(child) in done:
+                parent._modules[child_name] = done[id(child)]
+                continue
+            new = child
+            if _is_hf_norm(child):
+                eps, why = _rms_norm_eps(child)
+                why = why or _behaves_as_rms_norm(child, eps)
+                if why:
+                    skipped.append((path, f"{type(child).__name__}: {why}"))
+                else:
+                    new = RMSNorm(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
+                    new.register_parameter("weight", child.weight)  # the same Parameter object
+                    new.training = child.training
+            done[id(child)] = new
+            if new is child:
+                visit(child, path)
+            else:
+                parent._modules[child_name] = new
+
+    visit(model, "")
+    return skipped
+
+
+def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[tuple[str, str]]]:
+    """Move an existing transformers model onto fasttrans, in place.
+
+    Replaces its RMS norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm` and its
+    ``torch.nn.LayerNorm`` modules with ``fasttrans.nn.LayerNorm`` (``fasttrans.convert``),
+    keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
+    ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
+    calls :func:`register` and ``model.set_attn_implementation("fasttrans")``.
+
+    Returns ``(model, skipped)``: skipped lists ``(qualified name, reason)`` for the
+    attention and norm modules left as they were (warned about once per call).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    transformers = _transformers()
+    _check_version(transformers.__version__)
+    skipped: list[tuple[str, str]] = []
+    if attention:
+        register()
+        config = getattr(model, "config", None)
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(NAME)
+        if getattr(config, "_attn_implementation", None) != NAME:
+            skipped.append((type(model).__name__, "its attention implementation could not be set to 'fasttrans' "
+                            "(load it with attn_implementation='fasttrans' after register())"))
+    skipped += _replace_norms(model)
+    with warnings.catch_warnings():  # one warning, below, for everything left
+        warnings.simplefilter("ignore", UserWarning)
+        model, more = conversion.convert(model)
+    named = {n for n, _ in skipped}
+    skipped += [(n, why) for n, why in more if n not in named]
+    if skipped:
+        warnings.warn("fasttrans.integrations.transformers.apply left these modules as they were: "
+                      + "; ".join(f"{n} ({why})" for n, why in skipped), UserWarning, stacklevel=2)
+    return model, skipped

@@ -1,0 +1,367 @@
+"""Hugging Face transformers models on fasttrans: attn_implementation="fasttrans" and apply().
+
+Small random-weight models of each family tested (no downloads) against the same weights on
+transformers' "eager" attention, in float32: logits at the positions that see a key, every
+parameter's gradient, and greedy generate() with a key/value cache, on each CPU backend.
+Positions that may attend to no key (the pads of left padding) are left out: eager gives
+them the mean of the values, fasttrans 0 (docs/integrations.md); nothing else reads them.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'fasttrans[transformers]'; make test installs it)")
+
+import fasttrans  # noqa: E402
+import fasttrans.integrations.transformers as ftt  # noqa: E402
+
+from conftest import backend_params  # noqa: E402
+
+ftt.register()
+
+V = 99  # vocabulary
+B, L = 3, 9  # batch, sequence length
+LENGTHS = [9, 5, 7]  # tokens per sequence (the rest is padding)
+# float32: the kernels and eager attention round differently. 1e-5 relative, and 1e-5 of the
+# largest value of the kind compared (logits; any parameter's gradient: rounding in the
+# backward scales with the gradients flowing through it, and some gradients are exactly 0
+# in exact arithmetic, such as a key projection's bias under softmax's shift invariance)
+RTOL = ATOL = 1e-5
+BACKENDS = [p for p in backend_params("attention") if p.values[0] in ("reference", "extension")]
+
+
+def _config(family: str):
+    common = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    if family == "bert":
+        return transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                                       max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, **common)
+    if family == "bart":
+        return transformers.BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                       decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
+                                       max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                       decoder_start_token_id=2, init_std=0.3, **common)
+    if family == "t5":
+        return transformers.T5Config(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                     relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+                                     **common)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if family == "llama":
+        return transformers.LlamaConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        **common)
+    raise AssertionError(family)
+
+
+_CLASSES = {"bert": "BertForMaskedLM", "bart": "BartForConditionalGeneration", "t5": "T5ForConditionalGeneration",
+            "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+FAMILIES = list(_CLASSES)
+ENC_DEC = {"bart", "t5"}
+DECODER_ONLY = {"gpt2", "llama"}
+
+
+def _pair(family: str):
+    """(eager model, its fasttrans twin after apply): the same weights, eval mode."""
+    torch.manual_seed(0)
+    model = getattr(transformers, _CLASSES[family])(_config(family))
+    model.set_attn_implementation("eager")
+    model.eval()
+    twin, skipped = ftt.apply(copy.deepcopy(model))
+    assert skipped == []
+    assert twin.config._attn_implementation == "fasttrans"
+    return model, twin
+
+
+def _inputs(family: str, left: bool):
+    """Model inputs with padding (left for the decoder-only models when ``left``), and the
+    bool (B, L) mask of the positions whose logits are compared."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, L), generator=g)
+    pad = torch.zeros(B, L, dtype=torch.long)
+    for b, n in enumerate(LENGTHS):
+        if left:
+            pad[b, L - n:] = 1
+        else:
+            pad[b, :n] = 1
+    ids = ids.masked_fill(pad == 0, 0)
+    if family in ENC_DEC:
+        dec = torch.randint(3, V, (B, 6), generator=g)
+        return dict(input_ids=ids, attention_mask=pad, decoder_input_ids=dec), torch.ones(B, 6, dtype=torch.bool)
+    kw = dict(input_ids=ids, attention_mask=pad)
+    if family in DECODER_ONLY:
+        kw["position_ids"] = (pad.cumsum(-1) - 1).clamp(min=0)
+    return kw, pad.bool() if family in DECODER_ONLY else torch.ones(B, L, dtype=torch.bool)
+
+
+def _close(got, want, what, scale=None):
+    scale = want.abs().max().item() if scale is None else scale
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
+
+
+def _forward_backward(model, kw, seen):
+    model.zero_grad(set_to_none=True)
+    logits = model(**kw).logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    (logits * weights * seen[..., None]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach()[seen], grads
+
+
+CASES = [pytest.param(f, left, id=f"{f}-{'left' if left else 'right'}")
+         for f in FAMILIES for left in ((False, True) if f in DECODER_ONLY else (False,))]
+CASES.append(pytest.param("llama", None, id="llama-unpadded"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family, left", CASES)
+def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
+    model, twin = _pair(family)
+    kw, seen = _inputs(family, bool(left))
+    if left is None:  # no mask at all: the causal mask goes as is_causal alone
+        kw = {"input_ids": kw["input_ids"]}
+        seen = torch.ones_like(seen)
+    want, want_grads = _forward_backward(model, kw, seen)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _forward_backward(twin, kw, seen)
+    _close(got, want, "logits")
+    assert got_grads.keys() == want_grads.keys()
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    for name, g in want_grads.items():
+        _close(got_grads[name], g, f"grad of {name}", scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["bart", "t5", "gpt2", "llama"])
+def test_generate_gives_eager_tokens(family, backend, one_thread):
+    model, twin = _pair(family)
+    kw, _ = _inputs(family, left=True)
+    kw.pop("decoder_input_ids", None)
+    kw.pop("position_ids", None)
+    if family in ENC_DEC:  # the encoder's padding on the right, as tokenizers pad it
+        kw, _ = _inputs(family, left=False)
+        kw.pop("decoder_input_ids")
+    # pad and bos suppressed, eos held off: every step picks among the other tokens (a random model may prefer those)
+    gen = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
+               min_new_tokens=4)
+    want = model.generate(**kw, **gen)
+    with fasttrans.use_backend(backend):
+        got = twin.generate(**kw, **gen)
+    assert torch.equal(got, want), (got, want)
+    new = want[:, -gen["max_new_tokens"]:]
+    assert len({tuple(row) for row in new.tolist()}) > 1, f"the prompts gave the same tokens: {new}"
+
+
+def test_unpadded_causal_and_padded_masks_take_the_cheap_forms(monkeypatch):
+    """No padding: no mask at all (is_causal / nothing); padding: transformers' bool mask,
+    with key lengths beside it."""
+    calls = []
+    real = fasttrans.functional.attention
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ftt.FT, "attention", spy)
+    for family in ("llama", "bert"):
+        _, twin = _pair(family)
+        kw, _ = _inputs(family, left=False)
+        calls.clear()
+        with torch.no_grad():
+            twin(input_ids=kw["input_ids"], attention_mask=torch.ones_like(kw["attention_mask"]))
+        assert calls and all(c["attn_mask"] is None and c["key_lengths"] is None for c in calls)
+        assert all(c["is_causal"] == (family == "llama") for c in calls)
+        calls.clear()
+        with torch.no_grad():
+            twin(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"])
+        assert all(c["attn_mask"].dtype == torch.bool and c["key_lengths"].tolist() == LENGTHS for c in calls)
+
+
+def test_cached_decoding_uses_a_bottom_right_causal_offset(monkeypatch):
+    calls = []
+    real = fasttrans.functional.attention
+    monkeypatch.setattr(ftt.FT, "attention", lambda q, k, v, **kw: calls.append((q.shape[2], k.shape[2], kw))
+                        or real(q, k, v, **kw))
+    model, twin = _pair("llama")
+    ids = torch.randint(3, V, (2, 5))
+    with torch.no_grad():
+        out = twin(input_ids=ids, use_cache=True)
+        calls.clear()
+        nxt = torch.randint(3, V, (2, 3))
+        got = twin(input_ids=nxt, cache=out.cache, use_cache=True).logits
+        want = model(input_ids=torch.cat([ids, nxt], 1)).logits[:, 5:]
+    assert all(kw["is_causal"] and kw["causal_offset"] == lk - lq == 5 and kw["attn_mask"] is None
+               for lq, lk, kw in calls)
+    _close(got, want, "logits of 3 queries after 5 cached keys")
+
+
+def test_t5_position_bias_gets_its_gradient():
+    model, twin = _pair("t5")
+    kw, seen = _inputs("t5", left=False)
+    _, want = _forward_backward(model, kw, seen)
+    _, got = _forward_backward(twin, kw, seen)
+    name = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert got[name].abs().max() > 0
+    _close(got[name], want[name], name)
+
+
+def test_gqa_keys_and_values_keep_their_heads(monkeypatch):
+    shapes = []
+    real = fasttrans.functional.attention
+    monkeypatch.setattr(ftt.FT, "attention", lambda q, k, v, **kw: shapes.append((q.shape[1], k.shape[1]))
+                        or real(q, k, v, **kw))
+    _, twin = _pair("llama")
+    with torch.no_grad():
+        twin(input_ids=torch.randint(3, V, (1, 4)))
+    assert shapes and all(s == (4, 2) for s in shapes)
+
+
+def test_compiled_forward_has_no_graph_break():
+    _, twin = _pair("llama")
+    ids = torch.randint(3, V, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for am in (None, mask):
+            torch.testing.assert_close(compiled(input_ids=ids, attention_mask=am).logits,
+                                       twin(input_ids=ids, attention_mask=am).logits, rtol=0, atol=0)
+
+
+def test_through_the_triton_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in fasttrans.available_backends("cpu"):
+        pytest.skip("Triton runs on the CPU only through its interpreter (tests/conftest.py enables it without CUDA)")
+    model, twin = _pair("llama")
+    kw, seen = _inputs("llama", left=True)
+    with torch.no_grad():
+        want = model(**kw).logits[seen]
+        with fasttrans.use_backend("triton"):
+            got = twin(**kw).logits[seen]
+    _close(got, want, "logits")
+
+
+# ---------------------------------------------------------------------------------------
+# norms, apply and convert
+# ---------------------------------------------------------------------------------------
+def test_apply_keeps_parameters_state_dict_and_checkpoints(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(_config("t5")).eval()
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    model, skipped = ftt.apply(model)
+    assert skipped == []
+    assert all(type(m).__name__ != "T5LayerNorm" for m in model.modules())
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    kw, seen = _inputs("t5", left=False)
+    with torch.no_grad():
+        want = model(**kw).logits
+    model.save_pretrained(tmp_path)
+    loaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="fasttrans").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kw).logits, want, rtol=RTOL, atol=ATOL)  # the same weights, T5's norms
+    loaded, _ = ftt.apply(loaded)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kw).logits, want, rtol=0, atol=0)
+
+
+def test_rms_norm_matches_llama_and_t5_norms_in_half_precision():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    for cls in (LlamaRMSNorm, T5LayerNorm):
+        for dtype, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                              (torch.float32, torch.float32)):
+            hf = cls(64, eps=1e-5).to(wdtype)
+            with torch.no_grad():
+                hf.weight.normal_()
+            x = torch.randn(5, 64, dtype=dtype)
+            holder = torch.nn.Sequential(hf)
+            ftt.apply(holder, attention=False)
+            assert isinstance(holder[0], ftt.RMSNorm) and holder[0].variance_epsilon == 1e-5
+            want, got = hf(x), holder[0](x)
+            assert got.dtype == want.dtype
+            # one rounding to the input's dtype apart (the module rounds before the weight product)
+            tol = 2 * torch.finfo(dtype).eps
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_apply_skips_gemma_norms_and_says_why():
+    cfg = transformers.GemmaConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg).eval()
+    with pytest.warns(UserWarning, match="Gemma"):
+        model, skipped = ftt.apply(model)
+    norms = [(n, why) for n, why in skipped if "norm" in n]
+    assert len(norms) == 3 and all("(1 + weight)" in why for _, why in norms)
+    assert all(type(m).__name__ == "GemmaRMSNorm" for m in model.modules() if "RMSNorm" in type(m).__name__)
+
+
+def test_convert_reports_transformers_parts():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config("llama"))
+    model.set_attn_implementation("sdpa")
+    with pytest.warns(UserWarning, match="attn_implementation='fasttrans'"):
+        _, skipped = fasttrans.convert(model)
+    names = dict(skipped)
+    assert "model.layers.0.self_attn" in names and "register()" in names["model.layers.0.self_attn"]
+    assert "model.norm" in names and "apply(model)" in names["model.norm"]
+    model.set_attn_implementation("fasttrans")
+    with pytest.warns(UserWarning, match="model.norm"):
+        _, skipped = fasttrans.convert(model)
+    assert not any("self_attn" in n for n, _ in skipped)
+
+
+# ---------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------
+class _Module(torch.nn.Module):
+    is_causal = False
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"softcap": 50.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "s_aux"), ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"output_attentions": True}, "output_attentions"), ({"sliding_window": 4}, "sliding_window"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 8])}, "cu_seq_lens_q"),
+])
+def test_unsupported_arguments_raise_naming_them(kwargs, name):
+    q = torch.randn(1, 4, 8, 8)
+    with pytest.raises(ValueError, match=name):
+        ftt.attention_forward(_Module(), q, q, q, None, **kwargs)
+
+
+def test_a_sliding_window_within_the_keys_or_in_the_mask_is_honoured():
+    q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+    out, weights = ftt.attention_forward(_Module(), q, k, k, None, sliding_window=8)
+    assert weights is None and out.shape == (1, 8, 4, 8)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril().triu(-3)
+    out, _ = ftt.attention_forward(_Module(), q, k, k, mask, sliding_window=4)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+    _close(out, want.transpose(1, 2), "sliding-window attention")
+
+
+def test_version_outside_the_supported_range_raises(monkeypatch):
+    module = sys.modules["transformers"]  # loading a model class can put a new module object there
+    monkeypatch.setattr(module, "__version__", "4.57.1")
+    with pytest.raises(RuntimeError, match=r"transformers 4\.57\.1 is not supported.*>= 5\.0 and < 6\.0"):
+        ftt.register()
+    monkeypatch.setattr(module, "__version__", "6.0.0")
+    with pytest.raises(RuntimeError, match="6.0.0"):
+        ftt.apply(torch.nn.Linear(2, 2))
+
+
+def test_importing_fasttrans_does_not_import_transformers():
+    code = ("import sys, fasttrans, fasttrans.integrations, fasttrans.nn\n"
+            "m = [n for n in sys.modules if n == 'transformers' or n.startswith('transformers.')]\n"
+            "assert not m, m\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
