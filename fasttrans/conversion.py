@@ -16,7 +16,9 @@ copied for the twin), so code that still holds it computes what it did.
 
 Subclasses of those torch classes run code of their own, which a fasttrans module cannot
 reproduce: they are left untouched (their children are still converted) and reported, as
-are torch.compile'd modules (their compiled code would keep calling the old modules).
+are torch.compile'd modules (their compiled code would keep calling the old modules), and
+so are Hugging Face transformers attention and norm modules, with the way to move them
+(fasttrans.integrations.transformers).
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ def _shallow_copy(m: nn.Module) -> nn.Module:
     return new
 
 
+def _transformers_part(m: nn.Module) -> str | None:
+    """Why ``m``, a Hugging Face transformers attention or norm module, is left as it is (its
+    code is transformers', not torch.nn's); None for any other module. Reads class names only,
+    so converting never imports transformers."""
+    cls = type(m)
+    if not cls.__module__.startswith("transformers."):
+        return None
+    if cls.__name__.endswith("Attention") and hasattr(m, "is_causal"):
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if impl == "fasttrans":
+            return None
+        return (f"a transformers attention module (attn_implementation={impl!r}): use "
+                "fasttrans.integrations.transformers.register() and attn_implementation='fasttrans'")
+    if cls.__name__.endswith(("RMSNorm", "LayerNorm")) and not isinstance(m, nn.LayerNorm):
+        return ("a transformers norm: fasttrans.integrations.transformers.apply(model) replaces those that "
+                "compute weight * x / rms(x)")
+    return None
+
+
 def _compiled_module_type():
     try:
         from torch._dynamo.eval_frame import OptimizedModule
@@ -218,6 +239,8 @@ def convert(
         elif isinstance(m, _SUPPORTED):
             base = next(c for c in _SUPPORTED if isinstance(m, c))
             skip(m, name, f"{type(m).__name__} subclasses torch.nn.{base.__name__} with code of its own")
+        elif (why := _transformers_part(m)) is not None:
+            skip(m, name, why)
         if result is m:  # left as it is: its children may still be converted
             done[id(m)] = m
             # _modules, not named_children(): a module held under two names is converted at both
