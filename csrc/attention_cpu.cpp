@@ -37,6 +37,7 @@
 
 #include "checks.h"
 #include "common.h"
+#include "cpu_allocator.h"
 #include "ops.h"
 
 namespace fasttrans::cpu {
@@ -143,7 +144,7 @@ at::Tensor canonical_lengths(const std::optional<at::Tensor>& key_lengths, int64
 
 // A copy with standard strides (contiguous() may keep odd strides on size-1 dims).
 at::Tensor dense_copy(const at::Tensor& t, at::ScalarType dtype) {
-  return at::empty(t.sizes(), t.options().dtype(dtype)).copy_(t);
+  return cpu::empty(t.sizes(), t.options().dtype(dtype)).copy_(t);
 }
 
 // Rows must be addressable as a matrix with leading dimension stride(2) >= D (the GEMMs
@@ -207,7 +208,7 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
 // (B, H, L, D) -> (B, H, D, L) contiguous copy in the accumulation dtype.
 at::Tensor transposed_copy(const at::Tensor& t_in, at::ScalarType acc) {
   const at::Tensor t = rows_in_place(t_in);
-  at::Tensor out = at::empty({t.size(0), t.size(1), t.size(3), t.size(2)}, t.options().dtype(acc));
+  at::Tensor out = cpu::empty({t.size(0), t.size(1), t.size(3), t.size(2)}, t.options().dtype(acc));
   if (out.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "attention_transpose", [&] {
     if (acc == at::kDouble) {
@@ -626,7 +627,7 @@ at::Tensor exact_large_lse(const AttnParams& p, const Rows<const T>& q, const Ro
     if (std::isfinite(l_data[row]) && std::abs(l_data[row]) > T(kExactLse)) large.push_back(row);
   }
   if (large.empty()) return at::Tensor();
-  at::Tensor lo = at::zeros(lse.sizes(), lse.options());
+  at::Tensor lo = cpu::zeros(lse.sizes(), lse.options());
   lse = lse.clone();  // the caller's lse is the forward's saved output
   T* hi_data = lse.data_ptr<T>();
   T* lo_data = lo.data_ptr<T>();
@@ -681,8 +682,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
   const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
   const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
 
-  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
+  at::Tensor out = cpu::empty(q.sizes(), q.options());  // contiguous
+  at::Tensor lse = cpu::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor kn = fwd_transposes_tiles(p.Lq) ? rows_as(k, acc) : transposed_copy(k, acc);
   const at::Tensor vn = rows_as(v, acc);
@@ -711,11 +712,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
   const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
 
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dmask = mask_grad ? at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(acc))
-                               : at::empty({0}, q.options().dtype(acc));
+  at::Tensor dq = cpu::empty(q.sizes(), q.options());
+  at::Tensor dk = cpu::empty(k.sizes(), k.options());
+  at::Tensor dv = cpu::empty(v.sizes(), v.options());
+  at::Tensor dmask = mask_grad ? cpu::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(acc))
+                               : cpu::empty({0}, q.options().dtype(acc));
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
@@ -728,9 +729,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor dout_n = rows_as(dout, acc), out_n = rows_as(out, acc);
   const at::Tensor qt = transposed_copy(q, acc), dout_t = transposed_copy(dout, acc);
   at::Tensor lse_c = lse.to(acc).contiguous();
-  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
+  at::Tensor delta = cpu::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
   // dQ accumulates in place when it is in the accumulation dtype (contiguous, zeroed)
-  at::Tensor dq_acc = dq.scalar_type() == acc ? dq.zero_() : at::zeros(q.sizes(), q.options().dtype(acc));
+  at::Tensor dq_acc = dq.scalar_type() == acc ? dq.zero_() : cpu::zeros(q.sizes(), q.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_bwd_extension", [&] {
     using T = acc_t<scalar_t>;
@@ -758,7 +759,7 @@ at::Tensor attention_dropout_mask(const at::Tensor& q, const at::Tensor& k, doub
               k.sizes());
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
-  at::Tensor keep = at::empty({B, H, Lq, Lk}, q.options().dtype(at::kBool));
+  at::Tensor keep = cpu::empty({B, H, Lq, Lk}, q.options().dtype(at::kBool));
   const Dropout d = make_dropout(dropout_p, seed);
   bool* data = keep.data_ptr<bool>();
   at::parallel_for(0, B * H * Lq, 16, [&](int64_t begin, int64_t end) {

@@ -20,6 +20,7 @@
 
 #include "checks.h"
 #include "common.h"
+#include "cpu_allocator.h"
 #include "ops.h"
 #include "philox_cpu.h"
 
@@ -114,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> dropout_fwd(const at::Tensor& x_in, double p,
   TORCH_CHECK(at::isFloatingType(x_in.scalar_type()), "x: expected a floating-point dtype, got ",
               x_in.scalar_type());
   const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor keep = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  at::Tensor y = cpu::empty(x.sizes(), x.options());
+  at::Tensor keep = cpu::empty(x.sizes(), x.options().dtype(at::kBool));
   const uint32_t threshold = dropout_threshold(p);
   const uint64_t useed = static_cast<uint64_t>(seed);
   scale_blocks(x, y, keep.data_ptr<bool>(), p, [&](int64_t blk, int64_t, int64_t) {
@@ -132,7 +133,7 @@ at::Tensor dropout_bwd(const at::Tensor& dy_in, const at::Tensor& keep_in, doubl
               keep_in.sizes());
   const at::Tensor dy = dy_in.contiguous();
   const at::Tensor keep = keep_in.contiguous();
-  at::Tensor dx = at::empty(dy.sizes(), dy.options());
+  at::Tensor dx = cpu::empty(dy.sizes(), dy.options());
   const bool* kp = keep.data_ptr<bool>();
   scale_blocks(dy, dx, nullptr, p, [&](int64_t, int64_t e0, int64_t n) { return bits_from_bytes(kp + e0, n); });
   return dx;

@@ -33,6 +33,7 @@
 
 #include "checks.h"
 #include "common.h"
+#include "cpu_allocator.h"
 #include "ops.h"
 
 namespace fasttrans::cpu {
@@ -208,8 +209,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_weights(const at::Tensor& q, c
   if (key_lengths.has_value()) {
     lengths = key_lengths->to(at::kLong).contiguous();
   }
-  at::Tensor out = at::empty({N, H, L, D}, q.options());
-  at::Tensor weights = average ? at::empty({N, L, S}, q.options()) : at::empty({N, H, L, S}, q.options());
+  at::Tensor out = cpu::empty({N, H, L, D}, q.options());
+  at::Tensor weights = average ? cpu::empty({N, L, S}, q.options()) : cpu::empty({N, H, L, S}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "multihead_attention_fwd_extension", [&] {
     using T = acc_t<scalar_t>;
     attention_with_weights_loops<scalar_t, T>(qa, ka, va, m, lengths, is_causal, static_cast<T>(scale), average,
@@ -504,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
   at::Tensor weights;
   at::Tensor out = attention_block(query, self ? nullptr : &*kv, args, num_heads, seq_first,
                                    need_weights ? &weights : nullptr, average_weights);
-  if (!need_weights) return {out, at::empty({0}, query.options())};
+  if (!need_weights) return {out, cpu::empty({0}, query.options())};
   return {out, weights};
 }
 

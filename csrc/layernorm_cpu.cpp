@@ -30,6 +30,7 @@
 
 #include "checks.h"
 #include "common.h"
+#include "cpu_allocator.h"
 #include "ops.h"
 
 namespace fasttrans::cpu {
@@ -644,7 +645,7 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
 template <typename T>
 at::Tensor reduce_partials(const at::Tensor& part, at::ScalarType out_dtype) {
   const int64_t n_chunks = part.size(0), N = part.size(1);
-  at::Tensor sum = at::empty({N}, part.options());
+  at::Tensor sum = cpu::empty({N}, part.options());
   const T* p = part.data_ptr<T>();
   T* s = sum.data_ptr<T>();
   at::parallel_for(0, N, 1024, [&](int64_t begin, int64_t end) {
@@ -697,10 +698,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Te
   const at::Tensor w = param_as(weight, "weight", N, acc);
   const at::Tensor b = rms ? at::Tensor() : param_as(bias, "bias", N, acc);
 
-  at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor h = residual.defined() ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
-  at::Tensor mean = at::empty({rms ? 0 : M}, x.options().dtype(acc));
-  at::Tensor rstd = at::empty({M}, x.options().dtype(acc));
+  at::Tensor y = cpu::empty({M, N}, x.options());
+  at::Tensor h = residual.defined() ? cpu::empty({M, N}, x.options()) : cpu::empty({0}, x.options());
+  at::Tensor mean = cpu::empty({rms ? 0 : M}, x.options().dtype(acc));
+  at::Tensor rstd = cpu::empty({M}, x.options().dtype(acc));
   if (M == 0 || N == 0) return {y, h, mean, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd_extension", [&] {
     norm_fwd_kernel<scalar_t>(x, residual, w, b, eps, rms, y, h, mean, rstd);
@@ -737,11 +738,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   checks::param_numel(bias, "bias", N);
   const bool want_db = bias.has_value() && bias->defined();
 
-  at::Tensor dx = at::empty({M, N}, h.options());
+  at::Tensor dx = cpu::empty({M, N}, h.options());
   const int64_t R = rows_per_chunk(M, N);
   const int64_t n_chunks = (M + R - 1) / R;
-  at::Tensor dw_part = at::empty({want_dw ? n_chunks : 0, N}, h.options().dtype(acc));
-  at::Tensor db_part = at::empty({want_db ? n_chunks : 0, N}, h.options().dtype(acc));
+  at::Tensor dw_part = cpu::empty({want_dw ? n_chunks : 0, N}, h.options().dtype(acc));
+  at::Tensor db_part = cpu::empty({want_db ? n_chunks : 0, N}, h.options().dtype(acc));
   if (M > 0 && N > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "norm_bwd_extension", [&] {
       norm_bwd_kernel<scalar_t>(dy, dh, h, w, mean_c, rstd_c, rms, want_dw, want_db, R, dx, dw_part, db_part);
@@ -750,8 +751,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
     dw_part.zero_();
     db_part.zero_();
   }
-  at::Tensor dw = at::empty({0}, h.options());
-  at::Tensor db = at::empty({0}, h.options());
+  at::Tensor dw = cpu::empty({0}, h.options());
+  at::Tensor db = cpu::empty({0}, h.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "norm_bwd_extension_reduce", [&] {
     if (want_dw) dw = reduce_partials<scalar_t>(dw_part, weight->scalar_type()).view(weight->sizes());
     if (want_db) db = reduce_partials<scalar_t>(db_part, bias->scalar_type()).view(bias->sizes());

@@ -5,6 +5,7 @@
 // cuda_binding.cpp, which is compiled only when torch has CUDA.
 #include <torch/library.h>
 
+#include "cpu_allocator.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fasttrans, m) {
@@ -27,6 +28,10 @@ TORCH_LIBRARY(fasttrans, m) {
   // fasttrans.nn's mask translation helpers (masks_cpu.cpp), for CPU masks
   m.def("padding_key_lengths(Tensor key_padding_mask) -> Tensor");
   m.def("is_causal_mask(Tensor mask) -> bool");
+  // the CPU kernels' block cache (cpu_allocator.h): no tensor arguments, so one kernel for
+  // every dispatch key
+  m.def("cpu_cache_stats() -> int[]", &fasttrans::cpu::cpu_cache_stats);
+  m.def("cpu_cache_clear() -> ()", &fasttrans::cpu::cpu_cache_clear);
   // fasttrans.nn's inference path for a whole encoder or decoder layer (layer_cpu.cpp)
   m.def(
       "transformer_layer_fwd_extension(Tensor x, Tensor? memory, Tensor[] weights, Tensor?[] biases, "

@@ -48,8 +48,8 @@ from .version import __version__
 __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_root"]
 
 _NAME = "fasttrans_ext"
-_CPU_SOURCES = ("registration.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp", "masks_cpu.cpp",
-                "layer_cpu.cpp")
+_CPU_SOURCES = ("registration.cpp", "cpu_allocator.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp",
+                "masks_cpu.cpp", "layer_cpu.cpp")
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -397,6 +397,7 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
     with _lock:
         if _impl is not None:
             return _impl
+        _check_cache_setting()
         if _error is not None:
             raise ExtensionBuildError(_error)
         try:
@@ -436,6 +437,32 @@ def mask_helpers() -> tuple | None:
     in this process; None before. Never starts a build. Eager only: they have no fake
     implementation (the mask translation does not inspect values while compiling)."""
     return _mask_helpers
+
+
+_CACHE_FIELDS = ("cached_bytes", "cached_blocks", "in_use_bytes", "hits", "misses", "limit_bytes")
+
+
+def _check_cache_setting() -> None:
+    value = os.environ.get("FASTTRANS_CPU_CACHE_MB", "").strip()
+    if value and not (value.isdigit() and value.isascii()):
+        raise ValueError(f"FASTTRANS_CPU_CACHE_MB: expected a non-negative whole number of MiB "
+                         f"(0 turns the CPU output cache off), got {value!r}")
+
+
+def cpu_cache_info() -> dict[str, int]:
+    """The CPU kernels' cache of freed output blocks (csrc/cpu_allocator.h): bytes and
+    blocks held for reuse, bytes of cached-size blocks held by live tensors, reuse hits and
+    fresh allocations, and the limit (``FASTTRANS_CPU_CACHE_MB``, default 256 MiB). All
+    zero while the extension is not loaded in this process; never starts a build."""
+    if _impl is None:
+        return dict.fromkeys(_CACHE_FIELDS, 0)
+    return dict(zip(_CACHE_FIELDS, torch.ops.fasttrans.cpu_cache_stats()))
+
+
+def cpu_cache_clear() -> None:
+    """Return every cached block to the system; outputs still alive are not affected."""
+    if _impl is not None:
+        torch.ops.fasttrans.cpu_cache_clear()
 
 
 def _ops_defined() -> bool:
