@@ -33,15 +33,17 @@ CPU caches (``--cache``, default ``warm``; the ``cache`` column of the CSV)
     such calls. This is what ``do_bench`` does on CUDA, where every row is ``cold``: it
     overwrites a buffer larger than the L2 before each call.
 
-CPU allocator (``--malloc``, default ``steady``)
+CPU allocator (``--malloc``, default ``default``)
     torch's CPU tensors come from glibc's malloc, which returns the top of its heap to the
     system whenever more than a moving threshold is free and maps big blocks afresh: a
     16 MiB output is then page-faulted again on the next call (~4000 faults, ~5 ms, more
     than the op itself). Whether that happens depends on byte-level details of what else
-    is allocated, so the same op can time at 1 ms in one process and 10 ms in the next, for
-    torch and fasttrans alike. ``steady`` (``mallopt``: no trimming, no mmap-ed blocks) keeps
-    freed memory in the heap for the next call, for every provider of the run, which is
-    what a long-running training process reaches anyway; ``default`` leaves glibc as it is.
+    is allocated, so the same torch op can time at 1 ms in one process and 10 ms in the
+    next. ``default`` leaves glibc as it is, which is the process a user has (fasttrans's
+    CPU kernels keep their own freed output blocks for reuse, see docs/backends.md);
+    ``steady`` (``mallopt``: no trimming, no mmap-ed blocks, for every provider of the run)
+    measures the ops without the allocator, as a long-running process that has tuned
+    malloc would. The ``malloc`` column says which a CPU row used.
 
 Peak memory (bytes allocated above what was live before the call: inputs are excluded)
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
@@ -81,7 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
 FIELDS = (
-    "run_id", "run", "cache", "date", "benchmark", "sweep", "case", "op", "mode", "dtype", "params",
+    "run_id", "run", "cache", "malloc", "date", "benchmark", "sweep", "case", "op", "mode", "dtype", "params",
     "provider", "variant", "status", "median_ms", "q20_ms", "q80_ms", "samples",
     "work", "work_unit", "throughput", "throughput_unit", "speedup_vs_torch",
     "peak_mem_bytes", "mem_vs_torch", "error",
@@ -113,8 +115,9 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                    help="print the configurations and providers that would run, run nothing, write nothing")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, one per core)")
-    p.add_argument("--malloc", choices=("steady", "default"), default="steady",
-                   help="CPU allocator setting for the whole run (see the module docstring; default: steady)")
+    p.add_argument("--malloc", choices=("default", "steady"), default="default",
+                   help="CPU: glibc's malloc as it is (default) or kept from trimming its heap for the "
+                        "whole run (steady; see the module docstring)")
     p.add_argument("--cache", choices=("warm", "cold"), default=None,
                    help="CPU: time back-to-back calls (warm, the default) or evict the caches before each "
                         "call (cold); CUDA rows are always cold (see the module docstring)")
@@ -636,6 +639,8 @@ class Bench:
               f"{', CUDA ' + e.cuda if e.cuda else ''}, python {e.python}, commit {e.git_commit or '?'}")
         how = "back-to-back calls" if args.cache == "warm" else "caches flushed before every call"
         print(f"  caches   {args.cache} ({how})")
+        if self.device == "cpu":
+            print(f"  malloc   {args.malloc} ({'glibc as it is' if args.malloc == 'default' else 'heap never trimmed'})")
         print(f"  results  {self.csv_path}")
 
     # providers --------------------------------------------------------------------
@@ -786,6 +791,7 @@ class Bench:
         tp = self.throughput(r)
         return {
             "run_id": self.run_id, "run": "quick" if self.quick else "full", "cache": self.args.cache,
+            "malloc": self.args.malloc if self.device == "cpu" else "",
             "date": self.date,
             "benchmark": self.benchmark, "sweep": c.sweep, "case": c.case, "op": c.op, "mode": c.mode,
             "dtype": c.dtype_name, "params": c.params_text, "provider": r.provider, "variant": r.variant,

@@ -129,6 +129,21 @@ def test_cold_run_flushes_and_marks_its_rows(tmp_path, monkeypatch):
     assert {r["cache"] for r in _read_csv(warm.csv_path)} == {"warm"}
 
 
+def test_rows_say_which_allocator_setting_they_ran_with(tmp_path, monkeypatch):
+    """A plain process is the default; ``--malloc steady`` is asked for and marked."""
+    applied = []
+    monkeypatch.setattr(common, "steady_allocator", lambda: applied.append(True) or True)
+    cfg = common.Config(sweep="sweep", op="add", mode="fwd", dtype=torch.float32, params={},
+                        inputs=lambda: torch.ones(3), entries=[
+                            common.Entry(common.Provider("torch"), lambda x: (lambda: x + 1))])
+    plain = _bench(tmp_path / "plain", "--quick")
+    plain.run(cfg)
+    assert applied == [] and {r["malloc"] for r in _read_csv(plain.csv_path)} == {"default"}
+    steady = _bench(tmp_path / "steady", "--quick", "--malloc", "steady")
+    steady.run(cfg)
+    assert applied == [True] and {r["malloc"] for r in _read_csv(steady.csv_path)} == {"steady"}
+
+
 def test_cuda_timing_is_always_cold(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit):
