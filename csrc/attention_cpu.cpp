@@ -52,8 +52,8 @@ constexpr int64_t kBwdBlockN = 64;
 
 // The tile for a sequence of L rows (or keys) with base tile `base`: a sequence that fits in
 // one and a half tiles is one tile, since a full tile plus a ragged remainder (64 + 27 rows
-// at L = 91) runs every GEMM on two small operands instead of one (measured at L = 91:
-// forward and backward about 10% faster as one tile).
+// at L = 91) runs every GEMM on two small operands instead of one (benchmarks/README.md,
+// "Short shapes").
 int64_t tile_for(int64_t L, int64_t base) {
   return L <= base + base / 2 ? std::max<int64_t>(L, 1) : base;
 }
@@ -244,9 +244,7 @@ struct Rows {
 // of K and transposes nothing (dots() in common.h: sixteen keys per reduce-transpose, about
 // two shuffles and one add per score and query row, against four shuffles per key for a
 // 16 x 16 in-register transpose, shared by the rows but followed by a GEMM), so for a few
-// rows the dots win. With one horizontal sum per score they were
-// faster up to 4 rows, even at 6 and slower at 8 (Lk = 91 and 1024, D = 64); with dots() a
-// limit of 8 measured within noise of 4 at 5 to 8 rows, so the limit stayed at 4.
+// rows the dots win; past 4 rows they stopped gaining on this project's CPU machines.
 constexpr int64_t kFwdDotRows = 4;
 
 bool fwd_transposes_tiles(int64_t Lq) {
@@ -519,9 +517,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (want_dq) {
     // dQ += dS K_j, with dS transposed here from the key-major tile: the tile is in L1,
     // where a transposed copy of K for the whole call (the other way to take this product,
-    // dQ^T += K_j^T dS^T) is a pass over memory. Interleaved A/B of the backward alone on
-    // the 2-core AMD EPYC, B=64 H=4 D=64: Lq=9 Lk=91 2.4-2.6 -> 1.8 ms, 91 x 91 8.3-8.6 -> 6.8-6.9 ms, 9 x 9
-    // 0.23 -> 0.19-0.20 ms; B=4 H=8 L=1024: 60-61 -> 58-59 ms.
+    // dQ^T += K_j^T dS^T) is a pass over memory.
     transpose_tile(dpt, BM, s.ds.data(), bn, bn, bm);
     gemm_nn(bm, D, bn, s.ds.data(), bn, x.k(b, hk, j0), x.k.si, x.dq + (bh * Lq + i0) * D, D, true);
   }

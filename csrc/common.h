@@ -213,9 +213,7 @@ inline T dot(const T* x, const T* y, int64_t n) {
 // reduce-transpose (the add of an unpack-32, an unpack-64 and two 128-bit lane-shuffle
 // rounds, as in transpose16_f32 below) leaves the sixteen sums in one register: 30 shuffles
 // and 15 adds for sixteen scores, where a horizontal sum takes a dependent chain of four
-// shuffle-and-add steps for each score. Attention forward calls with one query (B=8 H=4 D=64, 100 keys) took
-// 22.2-23.5 us against 25.2-30.7 us with one dot() per key; over 1024 keys (B=4 H=8)
-// 130-144 us against 157-189 us (2-core AMD EPYC, three alternating runs of each build).
+// shuffle-and-add steps for each score.
 #if defined(CPU_CAPABILITY_AVX512)
 inline void dots16_f32(const float* x, const float* y, int64_t ld_y, int m, int64_t n, float* out) {
   __m512 a[16];
@@ -297,10 +295,8 @@ inline void store_scaled(const T* src, out_t* dst, int64_t n, T a) {
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < M, c < N (M, N <= 16).
 // fp32 with AVX-512: fully unrolled, the 16 rows held in registers (unpack 32-bit, unpack
 // 64-bit, two rounds of 128-bit lane shuffles). ATen's at::vec::transpose_mxn takes M and N at
-// run time and passes its rows through memory between the stages; it took a fifth of a perf
-// profile of the attention backward at B=64 H=4 Lq=9 Lk=91 D=64, and with this transpose the
-// forward+backward there went from 4.7 to 3.6 ms (2-core AMD EPYC). Other types and ISAs use
-// at::vec::transpose_mxn.
+// run time and passes its rows through memory between the stages, which showed in profiles
+// of the short-sequence attention backward. Other types and ISAs use at::vec::transpose_mxn.
 #if defined(CPU_CAPABILITY_AVX512)
 inline void transpose16_f32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int M, int N) {
   const __mmask16 cols = static_cast<__mmask16>((1u << N) - 1);

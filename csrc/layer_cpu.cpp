@@ -110,10 +110,8 @@ at::Tensor attention_weights(const at::Tensor& q, const at::Tensor& k, const std
 // Few scores (a batch of one short sequence): the same weights and output from one loop nest.
 // attention_weights and the matmul after it are some twenty ATen calls (head copies, two
 // batched matmuls, the masks, the softmax), which there cost more than their arithmetic.
-// Where the loops stop: a MultiheadAttention (E 256, 4 heads, D 64) forward with weights took
-// 94 / 188 / 244 / 375 us by the loops against 113 / 189 / 230 / 417 us by the ATen calls for
-// N x L = 1 x 8 / 1 x 24 / 1 x 32 / 8 x 8 (147K, 262K and 131K multiply-adds for the last
-// three; 2-core AMD EPYC, one run each).
+// Where the loops stop: the work at which the two measured even (benchmarks/README.md,
+// "Attention weights of few scores").
 constexpr int64_t kLoopWeightsWork = int64_t(1) << 17;  // N * H * L * S * D multiply-adds
 
 bool loop_weights(const at::Tensor& q, const at::Tensor& k) {

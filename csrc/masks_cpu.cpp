@@ -1,8 +1,8 @@
 // Host-side helpers of fasttrans.nn's mask translation (fasttrans/nn/_masks.py), for CPU
 // masks: the questions it asks of a torch.nn mask's values, each answered in one pass.
 //
-// The same answers from PyTorch ops take four to six op calls (about 10 us on a 2-core CPU
-// for an (N, S) padding mask), paid by every attention layer of a model for the same mask.
+// The same answers from PyTorch ops take four to six op calls, paid by every attention layer
+// of a model for the same mask.
 // They are exact (comparisons and counts), so they agree with the PyTorch formulation in
 // _masks.py bit for bit, which the tests check.
 #include <ATen/Dispatch.h>

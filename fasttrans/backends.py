@@ -600,7 +600,7 @@ BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 # The backward ops have no autograd of their own (a create_graph backward takes the
 # reference's route), and the backward runs with gradients off. For ops defined in Python
 # (torch.library.custom_op: the triton and reference backends) the autograd dispatch key
-# would only redispatch, through a Python layer of about 8 us a call on a 2-core CPU, so
+# would only redispatch, through a Python layer that costs more than many small ops, so
 # eager calls go below it; the C++ ops' autograd fallback is cheaper than the guard.
 
 

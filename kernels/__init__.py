@@ -13,9 +13,8 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 # Host-side integer helpers for the launchers. triton.cdiv and triton.next_power_of_2 are
-# constexpr functions: called from host code they go through Triton's wrapper, about 1.4 us
-# a call against 0.02 us for the arithmetic (Triton 3.9, the 2-core CPU of the README), and a
-# norm forward + backward made eight such calls.
+# constexpr functions: called from host code they go through Triton's wrapper, which costs
+# far more than the arithmetic, and a norm forward + backward made eight such calls.
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for non-negative a and positive b, as triton.cdiv."""
     return (a + b - 1) // b

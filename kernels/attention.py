@@ -76,9 +76,8 @@ the user has accepted TF32 for fp32 matmuls, and a single TF32 product is used (
 with smaller tiles; the classes where no 3xTF32 tile compiles without register spills (head
 dim 256; head dim 128 with a dense mask or dropout in the dQ kernel, and in sm_80's dK/dV)
 run IEEE fp32 dots on FMA units instead, more exact and slower, whatever the TF32 setting
-(FP32_IEEE_CLASSES). Before fp32 had its own tables, its launches used the 16-bit tiles in
-IEEE fp32, for which ptxas reports 2 KB to 150 KB of register spill stores and loads per
-thread.
+(FP32_IEEE_CLASSES). The 16-bit tiles in IEEE fp32 would spill registers (ptxas reports
+kilobytes of spill stores and loads per thread for them).
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ class MultiheadAttention(NotScriptable, Module):
         A packed projection's parts are taken with one unbind over its (.., parts, H, D)
         view (its backward stacks the gradients in one pass into the projection's layout),
         then each moves its head dim forward: five view ops for self-attention, where a
-        split of each part into heads would take eight (about 1 us each on a 2-core CPU).
+        split of each part into heads would take eight.
         One GEMM when query is key is value, two when key is value.
         """
         E, H, D = self.embed_dim, self.num_heads, self.head_dim
