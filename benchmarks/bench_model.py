@@ -21,6 +21,19 @@ Sweeps (select with --sweep):
               tokens/s = batch * (source + decoder input) / time.
     train     (CUDA only) a base-size model: d_model 512, 8 heads, 6+6 layers, FFN 2048,
               batch 32, 128 + 128 tokens.
+    hf        Hugging Face transformers models with random weights (no downloads): a
+              BERT-base-shaped BertForMaskedLM (hidden 768, 12 heads, FFN 3072, vocabulary
+              30522, 4 layers instead of 12, dropout 0.1) training step, batch 8, 128 tokens
+              with 25% right padding, the MLM loss on 15% of the real tokens (the head runs
+              on those positions only, as BERT pretraining code does); a Llama-shaped
+              LlamaForCausalLM (hidden 512, 8 heads, 4 key/value heads, FFN 1376, vocabulary
+              32000, 4 layers) training step, batch 8, 128 tokens, causal, no padding; and
+              its greedy generate() with the KV cache, batch 4, prompt 32, 32 new tokens.
+              AdamW in both training steps. Providers: the model with
+              attn_implementation="sdpa" (torch [sdpa], the baseline) and "eager" (torch
+              [eager]), and fasttrans.integrations.transformers.apply() on a copy
+              (fasttrans's attention and norms), all from the same weights.
+              tokens/s = batch * 128 / step (padding included) and batch * new tokens / time.
 Every model runs in float32 (the optimizer's state and the weights in one precision; --dtype
 does not apply). Every row also carries the peak memory of one call above what was live
 before it.
@@ -29,6 +42,7 @@ before it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -221,6 +235,223 @@ def decode_entries(bench: common.Bench, new_tokens: int) -> list[Entry]:
 
 
 # --------------------------------------------------------------------------------------
+# Hugging Face transformers models (the hf sweep)
+# --------------------------------------------------------------------------------------
+HF_BERT = types.SimpleNamespace(name="bert", vocab=30522, hidden=768, heads=12, kv_heads=12, ffn=3072, layers=4)
+HF_LLAMA = types.SimpleNamespace(name="llama", vocab=32000, hidden=512, heads=8, kv_heads=4, ffn=1376, layers=4)
+HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4, kv_heads=4, ffn=128, layers=1)
+HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
+HF_PADDING = 0.25  # mean fraction of right padding in the BERT batch
+HF_MLM_FRACTION = 0.15  # fraction of the real tokens masked and predicted, as in BERT's pretraining
+HF_FIRST_TOKEN = 3  # random token ids start past pad (0), bos (1) and eos (2)
+HF_MASK_TOKEN = 2  # the [MASK] stand-in of the random-weight BERT
+
+
+def hf_unavailable() -> str | None:
+    """Why the hf sweep cannot run here (transformers missing, or a version the integration
+    does not support), or None; registers attn_implementation="fasttrans" when it can."""
+    import fasttrans.integrations.transformers as ftt
+
+    try:
+        ftt.register()
+    except (ImportError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype):
+    """A random-weight model of ``spec``'s family, seeded, on attn_implementation="sdpa"."""
+    import transformers
+
+    if spec.name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads, intermediate_size=spec.ffn, pad_token_id=0,
+        )
+        cls = transformers.BertForMaskedLM
+    else:
+        # no end token: every generate() call produces exactly the tokens asked for
+        config = transformers.LlamaConfig(
+            vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, intermediate_size=spec.ffn,
+            pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        )
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = cls(config)
+    model.set_attn_implementation("sdpa")
+    return model.to(device=device, dtype=dtype)
+
+
+def hf_inputs(spec, batch: int, seq_len: int, device: str, dtype: torch.dtype, padding: float = 0.0,
+              prompt_batch: int = 0, prompt_len: int = 0):
+    """The shared model and its inputs: token ids, the padding mask (right padding, sequence
+    lengths spread evenly so that ``padding`` of the positions are pads) and, for BERT, the
+    masked positions and their labels; for generation, prompts without padding."""
+    def build():
+        model = build_hf_model(spec, device, dtype)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(HF_FIRST_TOKEN, spec.vocab, (batch, seq_len), generator=g)
+        shortest = max(1, round(seq_len * (1 - 2 * padding)))
+        lengths = torch.linspace(shortest, seq_len, batch).round().long() if batch > 1 else torch.tensor([seq_len])
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        masked = (torch.rand(batch, seq_len, generator=g) < HF_MLM_FRACTION) & (mask == 1)
+        masked[:, 0] |= ~masked.any(dim=1)  # every sequence predicts at least one token
+        labels = ids[masked]
+        prompts = torch.randint(HF_FIRST_TOKEN, spec.vocab, (max(prompt_batch, 1), max(prompt_len, 1)), generator=g)
+        return types.SimpleNamespace(
+            model=model, ids=ids.to(device), mask=mask.to(device), masked=masked.to(device),
+            mlm_ids=ids.masked_fill(masked, HF_MASK_TOKEN).to(device), labels=labels.to(device),
+            prompts=prompts.to(device), prompt_mask=torch.ones_like(prompts).to(device),
+        )
+
+    return build
+
+
+def hf_loss(model, inp) -> torch.Tensor:
+    """BERT: the MLM loss, the head applied to the masked positions only. Llama: the
+    next-token loss, computed by the model from labels = its inputs."""
+    if model.config.model_type == "bert":
+        hidden = model.bert(input_ids=inp.mlm_ids, attention_mask=inp.mask).last_hidden_state
+        logits = model.cls(hidden[inp.masked])  # (masked tokens, vocabulary)
+        return F.cross_entropy(logits.float(), inp.labels)
+    return model(input_ids=inp.ids, attention_mask=inp.mask, labels=inp.ids).loss
+
+
+def hf_train_step(model, inp, backend: str | None):
+    """One optimisation step: forward, loss, backward, AdamW; gradients dropped at its end
+    (as in ``train_step``) so that the peak of one step is all its own."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+
+    def step():
+        with common.backend_context(backend):
+            loss = hf_loss(model, inp)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def hf_generate(model, inp, backend: str | None, new_tokens: int):
+    """Greedy generate() with the KV cache, exactly ``new_tokens`` tokens per prompt."""
+    model.eval()
+
+    def run():
+        with common.backend_context(backend):
+            return model.generate(input_ids=inp.prompts, attention_mask=inp.prompt_mask, do_sample=False,
+                                  use_cache=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  pad_token_id=0)
+
+    return run
+
+
+def hf_fasttrans_copy(model, inp, backend: str):
+    """A copy of ``model`` moved onto fasttrans with ``apply()`` (attention and norms), after
+    checking that it computes what ``model`` does in eval mode on ``backend``."""
+    import fasttrans.integrations.transformers as ftt
+
+    ours, skipped = ftt.apply(copy.deepcopy(model))
+    if skipped:
+        raise RuntimeError("fasttrans.integrations.transformers.apply left modules as they were: "
+                           + "; ".join(f"{name} ({why})" for name, why in skipped))
+    kw = dict(input_ids=inp.ids[:2], attention_mask=inp.mask[:2])
+    training = model.training
+    ours.eval()
+    model.eval()
+    try:
+        with torch.no_grad(), fasttrans.use_backend(backend):
+            got = ours(**kw).logits
+        with torch.no_grad():
+            want = model(**kw).logits
+    finally:
+        ours.train(training)
+        model.train(training)
+    diff = (got.float() - want.float()).abs().max().item()
+    if not diff <= TWIN_TOLERANCE * max(1.0, want.float().abs().max().item()):
+        raise RuntimeError(f"{type(model).__name__} with attn_implementation='fasttrans' on backend {backend!r} and "
+                           f"with 'sdpa' disagree: max |logit difference| = {diff:.3g}; the comparison would not "
+                           "be like for like")
+    return ours
+
+
+HF_TORCH_VARIANTS = ("sdpa", "eager")  # transformers' own attention implementations; sdpa is the baseline
+
+
+def hf_entries(bench: common.Bench, timed, unavailable: str | None) -> list[Entry]:
+    """One entry per provider of ``timed(model, inp, backend)``, each on its own copy of the
+    shared model: fasttrans per backend through apply(), torch once per attn_implementation."""
+    entries = []
+    for p in bench.providers(None):
+        if unavailable and not p.unavailable:
+            p = dataclasses.replace(p, unavailable=unavailable)
+        if p.backend is not None:
+            def make(inp, backend=p.backend):
+                return timed(hf_fasttrans_copy(inp.model, inp, backend), inp, backend)
+
+            # the reference backend is the unfused correctness oracle: --quick checks that it runs
+            skip = None if bench.quick or p.backend != "reference" else (
+                "the hf sweep times the fused backends; the reference (the unfused oracle) runs with --quick")
+            entries.append(Entry(p, make, skip=skip))
+        elif p.name == "torch":
+            for impl in HF_TORCH_VARIANTS:
+                def make_torch(inp, impl=impl):
+                    model = copy.deepcopy(inp.model)
+                    model.set_attn_implementation(impl)
+                    return timed(model, inp, None)
+
+                entries.append(Entry(p, make_torch, variant=impl))
+        elif p.name == "torch-compile":
+            entries.append(Entry(p, None, variant="sdpa",
+                                 skip="the hf sweep compares attention implementations of models run eagerly"))
+    return entries
+
+
+def hf_params(spec, batch: int, **extra) -> dict:
+    return {"model": spec.name, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
+            "layers": spec.layers, "ffn": spec.ffn, "vocab": spec.vocab, "batch": batch, **extra}
+
+
+def hf_configs(bench: common.Bench):
+    fp32 = torch.float32
+    wanted = not bench.args.sweep or "hf" in bench.args.sweep
+    unavailable = hf_unavailable() if wanted else None  # transformers is imported only when the sweep runs
+    if unavailable:
+        print(f"hf sweep: UNAVAILABLE: {unavailable}")
+    bert, llama = (HF_BERT_QUICK, HF_LLAMA_QUICK) if bench.quick else (HF_BERT, HF_LLAMA)
+    batch, seq_len = (2, 16) if bench.quick else (8, 128)
+    gen_batch, prompt_len, new_tokens = (2, 8, 4) if bench.quick else (4, 32, 32)
+    base = ("torch", "sdpa")
+    yield Config(
+        sweep="hf", case=f"BERT-base-shaped MLM training step, {bert.layers} layers", op="BertForMaskedLM",
+        mode="train step", dtype=fp32,
+        params=hf_params(bert, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}", mlm=f"{HF_MLM_FRACTION:.0%}"),
+        inputs=hf_inputs(bert, batch, seq_len, bench.device, fp32, padding=HF_PADDING),
+        entries=hf_entries(bench, hf_train_step, unavailable), work=float(batch * seq_len), work_unit="token",
+        measure="time+memory", baseline=base,
+    )
+    yield Config(
+        sweep="hf", case=f"Llama-shaped causal LM training step, {llama.layers} layers", op="LlamaForCausalLM",
+        mode="train step", dtype=fp32, params=hf_params(llama, batch, seq=seq_len, padding="0%"),
+        inputs=hf_inputs(llama, batch, seq_len, bench.device, fp32),
+        entries=hf_entries(bench, hf_train_step, unavailable), work=float(batch * seq_len), work_unit="token",
+        measure="time+memory", baseline=base,
+    )
+    yield Config(
+        sweep="hf", case=f"Llama-shaped greedy generate {new_tokens} tokens, batch {gen_batch}",
+        op="LlamaForCausalLM", mode="decode", dtype=fp32,
+        params=hf_params(llama, gen_batch, prompt=prompt_len, new=new_tokens),
+        inputs=hf_inputs(llama, 2, prompt_len, bench.device, fp32, prompt_batch=gen_batch, prompt_len=prompt_len),
+        entries=hf_entries(bench, lambda model, inp, backend: hf_generate(model, inp, backend, new_tokens),
+                           unavailable),
+        work=float(gen_batch * new_tokens), work_unit="token", measure="time+memory", baseline=base,
+    )
+
+
+# --------------------------------------------------------------------------------------
 # what runs
 # --------------------------------------------------------------------------------------
 DIGITS_MODEL = types.SimpleNamespace(name="digits", vocab=DIGITS_VOCAB, d_model=256, nhead=4, layers=3, ffn=512)
@@ -271,6 +502,7 @@ def configs(bench: common.Bench):
             entries=train_entries(bench), work=float(batch * 2 * length), work_unit="token",
             measure="time+memory",
         )
+    yield from hf_configs(bench)
 
 
 PLOTTED_SWEEPS = {
@@ -278,7 +510,12 @@ PLOTTED_SWEEPS = {
     "train": "training step throughput (source + decoder-input tokens per second)",
     "decode": "greedy decoding throughput (generated tokens per second)",
     "infer": "inference forward throughput (source + decoder-input tokens per second)",
+    "hf": "training step throughput (tokens per second, padding included); generate() (new tokens per second)",
 }
+# (figure title, what the speed-up is against) per sweep
+SEQ2SEQ_TITLE = ("seq2seq model: fasttrans.nn vs torch.nn, same weights", "torch.nn")
+PLOT_TITLES = {"hf": ("Hugging Face models: fasttrans apply() vs attn_implementation sdpa and eager, same weights",
+                      "attn_implementation='sdpa'")}
 
 
 def main(argv=None) -> int:
@@ -299,12 +536,13 @@ def main(argv=None) -> int:
     # their figures and leaves the others' as the last full run drew them
     for sweep, what in PLOTTED_SWEEPS.items():
         results = [r for r in bench.results if r.config.sweep == sweep]
+        title, baseline = PLOT_TITLES.get(sweep, SEQ2SEQ_TITLE)
         bench.plot_bars(sweep, [
             (what, results, "throughput"),
-            ("speedup vs torch.nn (median / median, interleaved in one run)", results, "speedup"),
+            (f"speedup vs {baseline} (median / median, interleaved in one run)", results, "speedup"),
             ("peak memory of one call above what was live before it", results, "memory"),
-        ], title="seq2seq model: fasttrans.nn vs torch.nn, same weights")
-    bench.headline_table()
+        ], title=title)
+    bench.headline_table(("headline", "memory", "hf"))
     return bench.finish()
 
 
