@@ -628,31 +628,37 @@ def _inference_ops_allowed(x: torch.Tensor, ops: tuple[str, ...]) -> bool:
 
     Those ops compute what the module's op calls compute (the same kernels in the same
     order), saving the Python work between them; they have no autograd, and fasttrans.nn
-    calls them only when nothing needs a gradient (see fasttrans/nn/_inference.py)."""
+    calls them only when nothing needs a gradient (see fasttrans/nn/fused_inference.py)."""
     if (x.device.type != "cpu" or _is_compiling() or _functorch.maybe_current_level() is not None
             or getattr(_fwAD, "_current_level", 0) >= 0):
         return False
     return all(backends.select_backend(op, "cpu", x.dtype).name == "extension" for op in ops)
 
 
-def _layer_inference_op(x: torch.Tensor):
-    """``fasttrans::transformer_layer_fwd_extension``, one encoder or decoder layer's
-    inference forward (attention and norms), where :func:`_inference_ops_allowed` for ``x``;
-    else None."""
-    return backends.inference_ops()[0] if _inference_ops_allowed(x, ("attention", "norm")) else None
+_INFERENCE_OPS = {  # kind -> (index in backends.inference_ops(), the functional ops it stands for)
+    "layer": (0, ("attention", "norm")),
+    "attention": (1, ("attention",)),
+    "decoder_step": (2, ("attention", "norm")),
+}
 
 
-def _decoder_step_inference_op(x: torch.Tensor):
-    """``fasttrans::decoder_layer_step_fwd_extension``, one decoder layer's step of
-    incremental decoding (attention and norms), where :func:`_inference_ops_allowed` for
-    ``x``; else None."""
-    return backends.inference_ops()[2] if _inference_ops_allowed(x, ("attention", "norm")) else None
+def inference_op(kind: str, x: torch.Tensor):
+    """The extension's whole-module inference op of ``kind`` where it may run on ``x``
+    (:func:`_inference_ops_allowed`), else None. Kinds:
 
+    - ``"layer"``: ``fasttrans::transformer_layer_fwd_extension``, one encoder or decoder
+      layer's forward (attention and norms);
+    - ``"attention"``: ``fasttrans::multihead_attention_fwd_extension``, one
+      MultiheadAttention's forward;
+    - ``"decoder_step"``: ``fasttrans::decoder_layer_step_fwd_extension``, one decoder
+      layer's step of incremental decoding.
 
-def _attention_inference_op(x: torch.Tensor):
-    """``fasttrans::multihead_attention_fwd_extension``, one MultiheadAttention's inference
-    forward, where :func:`_inference_ops_allowed` for ``x``; else None."""
-    return backends.inference_ops()[1] if _inference_ops_allowed(x, ("attention",)) else None
+    They have no autograd: fasttrans.nn.fused_inference calls them only when nothing needs
+    a gradient, with arguments it has checked."""
+    if kind not in _INFERENCE_OPS:
+        raise ValueError(f"kind: expected one of {sorted(_INFERENCE_OPS)}, got {kind!r}")
+    index, ops = _INFERENCE_OPS[kind]
+    return backends.inference_ops()[index] if _inference_ops_allowed(x, ops) else None
 
 
 # --------------------------------------------------------------------------------------

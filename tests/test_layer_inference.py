@@ -1,4 +1,4 @@
-"""The whole-layer inference op (csrc/layer_cpu.cpp, fasttrans/nn/_inference.py).
+"""The whole-layer inference op (csrc/layer_cpu.cpp, fasttrans/nn/fused_inference.py).
 
 In eval mode with nothing to differentiate, fasttrans.nn's encoder and decoder layers run
 as one ``fasttrans::transformer_layer_fwd_extension`` call. These tests check that
@@ -48,8 +48,7 @@ def module_path(monkeypatch):
 
     class Off:
         def __enter__(self):
-            monkeypatch.setattr(FT, "_layer_inference_op", lambda x: None)
-            monkeypatch.setattr(FT, "_attention_inference_op", lambda x: None)
+            monkeypatch.setattr(FT, "inference_op", lambda kind, x: None)
 
         def __exit__(self, *exc):
             monkeypatch.undo()

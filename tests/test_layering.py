@@ -52,13 +52,6 @@ CORE = {"backends", "functional", "nn"}  # the chain that may not skip a layer
 KNOWN = {
     ("skips a layer", "fasttrans.functional", "fasttrans.reference"):
         "fallbacks to the reference run as the reference backend's ops",
-    ("private name", "fasttrans.nn._inference", "fasttrans.functional._layer_inference_op"):
-        "the CPU inference path behind one seam (docs/design.md)",
-    ("private name", "fasttrans.nn._inference", "fasttrans.functional._attention_inference_op"): "as above",
-    ("private name", "fasttrans.nn._inference", "fasttrans.functional._decoder_step_inference_op"): "as above",
-    ("private name", "fasttrans.models.decoding", "fasttrans.nn._inference"): "as above",
-    ("cycle", "fasttrans.nn._inference", "fasttrans.nn.attention"): "as above",
-    ("private name", "fasttrans.models.decoding", "fasttrans.nn._masks"): "a public mask-translation entry point",
 }
 
 

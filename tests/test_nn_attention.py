@@ -17,7 +17,7 @@ import fasttrans
 import fasttrans.functional as FT
 import fasttrans.nn as fnn
 from fasttrans import reference
-from fasttrans.nn import _masks
+from fasttrans.nn import mask_translation
 from helpers import right_padded
 
 F64 = torch.float64
@@ -567,7 +567,7 @@ def test_fused_dropout_uses_the_op_keep_mask():
 def _translate(attn_mask=None, kpm=None, **kw):
     args = dict(is_causal=False, need_weights=False, batch=N, heads=H, tgt_len=L, src_len=S)
     args.update(kw)
-    return _masks.translate(attn_mask, kpm, **args)
+    return mask_translation.translate(attn_mask, kpm, **args)
 
 
 def test_translate_forms():
@@ -639,8 +639,8 @@ def test_right_padding_check_of_the_extension_agrees_with_torch_ops(ext, monkeyp
     assert fasttrans.extension.mask_helpers() is not None
     seen = set()
     for kpm in _padding_masks():
-        fast = _masks.right_padded_lengths(kpm)
-        slow = _torch_ops_answer(monkeypatch, _masks.right_padded_lengths, kpm)
+        fast = mask_translation.right_padded_lengths(kpm)
+        slow = _torch_ops_answer(monkeypatch, mask_translation.right_padded_lengths, kpm)
         assert (fast is None) == (slow is None), kpm
         seen.add(fast is None)
         if fast is not None:
@@ -685,8 +685,8 @@ def test_causal_check_of_the_extension_agrees_with_torch_ops(ext, monkeypatch):
     assert fasttrans.extension.mask_helpers() is not None
     seen = set()
     for mask, l_, s_ in _causal_masks():
-        fast = _masks.is_causal_mask(mask, l_, s_)
-        assert fast == _torch_ops_answer(monkeypatch, _masks.is_causal_mask, mask, l_, s_), (mask, l_, s_)
+        fast = mask_translation.is_causal_mask(mask, l_, s_)
+        assert fast == _torch_ops_answer(monkeypatch, mask_translation.is_causal_mask, mask, l_, s_), (mask, l_, s_)
         seen.add(fast)
     assert seen == {True, False}
 
@@ -703,14 +703,14 @@ def test_mask_helpers_are_left_to_torch_ops_where_they_cannot_answer(ext, monkey
     monkeypatch.setattr(fasttrans.extension, "_mask_helpers", spies)
     causal = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
     kpm = right_padded([4, 2], 4)
-    assert _masks.is_causal_mask(causal, 4, 4) and _masks.right_padded_lengths(kpm).tolist() == [4, 2]
+    assert mask_translation.is_causal_mask(causal, 4, 4) and mask_translation.right_padded_lengths(kpm).tolist() == [4, 2]
     assert len(calls) == 2
-    assert _masks.is_causal_mask(causal.clone().requires_grad_(), 4, 4)
-    assert _masks.is_causal_mask(causal.as_subclass(_MaskSubclass), 4, 4)
-    assert _masks.right_padded_lengths(kpm.as_subclass(_MaskSubclass)).tolist() == [4, 2]
+    assert mask_translation.is_causal_mask(causal.clone().requires_grad_(), 4, 4)
+    assert mask_translation.is_causal_mask(causal.as_subclass(_MaskSubclass), 4, 4)
+    assert mask_translation.right_padded_lengths(kpm.as_subclass(_MaskSubclass)).tolist() == [4, 2]
     assert len(calls) == 2
     monkeypatch.setattr(fasttrans.extension, "_mask_helpers", None)
-    assert _masks.right_padded_lengths(kpm).tolist() == [4, 2] and _masks.is_causal_mask(causal, 4, 4)
+    assert mask_translation.right_padded_lengths(kpm).tolist() == [4, 2] and mask_translation.is_causal_mask(causal, 4, 4)
     assert len(calls) == 2
 
 

@@ -17,7 +17,7 @@ names: ``self_attn.in_proj_weight``, ``multihead_attn``, ``linear1``, ``linear2`
 decoding always runs the model as in eval mode. On the CPU extension, with nothing to
 differentiate, each layer's step is one call of ``fasttrans::decoder_layer_step_fwd_extension``
 (csrc/layer_cpu.cpp): the same op calls in C++, bit for bit :func:`_layer_step`, without
-its Python work (see fasttrans/nn/_inference.py for where it applies).
+its Python work (see fasttrans/nn/fused_inference.py for where it applies).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import functional as ft
-from ..nn import _inference, _masks
+from ..nn import fused_inference, mask_translation
 
 __all__ = ["DecoderCache", "build_cache", "decode_step", "greedy_decode"]
 
@@ -90,7 +90,7 @@ def build_cache(
     mask = lengths = None
     if memory_key_padding_mask is not None:
         if memory_key_padding_mask.dtype == torch.bool and not torch.compiler.is_compiling():
-            lengths = _masks.right_padded_lengths(memory_key_padding_mask)
+            lengths = mask_translation.right_padded_lengths(memory_key_padding_mask)
         if lengths is None:
             mask = ~memory_key_padding_mask.view(B, 1, 1, S)  # torch.nn's True = pad -> the op's True = attend
     return DecoderCache(layers=layers, memory_mask=mask, memory_lengths=lengths, capacity=capacity)
@@ -158,7 +158,7 @@ def decode_step(model, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tenso
         raise ValueError(f"tokens: {start + n} target positions exceed the cache capacity {cache.capacity}")
     x = model.positional_encoding(model.tgt_embed(tokens), offset=start)  # (B, n, d_model)
     for layer, lc in zip(model.transformer.decoder.layers, cache.layers):
-        fused = _inference.decoder_layer_step(layer, x, lc.self_k, lc.self_v, start, lc.cross_k, lc.cross_v,
+        fused = fused_inference.decoder_layer_step(layer, x, lc.self_k, lc.self_v, start, lc.cross_k, lc.cross_v,
                                               cache.memory_mask, cache.memory_lengths)
         x = _layer_step(layer, x, lc, cache, start) if fused is None else fused
     cache.length = start + n

@@ -11,14 +11,14 @@ Data flow of one forward (shapes for batch_first=False; batch_first only moves N
     query (L, N, E), key (S, N, Ek), value (S, N, Ev)
       -> in-projection (one GEMM for self-attention, two for encoder-decoder attention)
       -> q (N, H, L, D), k/v (N, H, S, D): strided views of the projections, no copies
-      -> masks translated once into the op contract (fasttrans/nn/_masks.py)
+      -> masks translated once into the op contract (fasttrans/nn/mask_translation.py)
       -> fasttrans.attention (need_weights=False): no (L, S) matrix anywhere
          or fasttrans.functional.attention_weights (need_weights=True): the materialising path
       -> out_proj -> (L, N, E)
 
 In inference (eval mode, nothing to differentiate, CPU, extension backend) a module with a
 packed projection whose key tensor is also the value runs all of it as one extension call
-instead (fasttrans/nn/_inference.py).
+instead (fasttrans/nn/fused_inference.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import functional as FT
-from . import _inference, _masks
+from . import fused_inference, mask_translation
 from ._pinning import pinnable
 from ._script import NotScriptable
 
@@ -231,7 +231,7 @@ class MultiheadAttention(NotScriptable, Module):
         H = self.num_heads
 
         # inference: one extension call where it computes this path's result
-        fused = _inference.multihead_attention(
+        fused = fused_inference.multihead_attention(
             self, query, key, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
             qkv_same, kv_same, seq_first, N, L, S)
         if fused is not None:
@@ -245,7 +245,7 @@ class MultiheadAttention(NotScriptable, Module):
         extra = 0
         if self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
             k, v, extra = self._append_extra_keys(k, v)  # (N, H, S', D)
-        masks = _masks.translate(
+        masks = mask_translation.translate(
             attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=need_weights,
             batch=N, heads=H, tgt_len=L, src_len=S, extra_keys=extra,
         )
@@ -282,7 +282,7 @@ class MultiheadAttention(NotScriptable, Module):
             raise AssertionError(
                 "fasttrans.nn.MultiheadAttention does not support NestedTensor inputs (query, key, value)"
             )
-        _masks.check_mask_pair(key_padding_mask, attn_mask, "key_padding_mask", "attn_mask")
+        mask_translation.check_mask_pair(key_padding_mask, attn_mask, "key_padding_mask", "attn_mask")
         is_batched = self._check_dims(query, key, value, key_padding_mask, attn_mask)
         if is_causal and attn_mask is None:
             raise RuntimeError(
@@ -462,7 +462,7 @@ class MultiheadAttention(NotScriptable, Module):
             extra += 1
         return k, v, extra
 
-    def _attention_with_weights(self, q, k, v, masks: _masks.OpMasks, dropout_p: float):
+    def _attention_with_weights(self, q, k, v, masks: mask_translation.OpMasks, dropout_p: float):
         """The materialising path: (N, H, L, D) output and the (N, H, L, S') weights used for it.
 
         As in torch, dropout is applied to the weights (F.dropout, so a seeded run drops the
@@ -478,3 +478,6 @@ class MultiheadAttention(NotScriptable, Module):
         if dropout_p > 0.0:
             p = F.dropout(p, p=dropout_p)
         return p @ v, p
+
+
+fused_inference.FUSABLE_ATTENTION.add(MultiheadAttention)

@@ -18,7 +18,7 @@ What differs is underneath: attention runs through ``fasttrans.nn.MultiheadAtten
 (the decoder has a cross-attention sublayer between the two, with LN2 -> LN3.)
 
 In eval mode with nothing to differentiate, each encoder and decoder layer runs as one
-call of the extension's whole-layer op (``fasttrans/nn/_inference.py``): the same kernels
+call of the extension's whole-layer op (``fasttrans/nn/fused_inference.py``): the same kernels
 in the same order, bit for bit the output of the path above, without its Python work
 between the ops. torch's inference fast paths (``torch._transformer_encoder_layer_fwd`` and
 nested tensors in TransformerEncoder) are not used: ``enable_nested_tensor`` is accepted and stored but
@@ -38,7 +38,7 @@ from torch.nn import Linear, Module, ModuleList
 from torch.nn.init import xavier_uniform_
 
 from .. import functional as FT
-from . import _inference, _masks
+from . import fused_inference, mask_translation
 from ._pinning import pinnable
 from ._script import NotScriptable
 from .attention import MultiheadAttention
@@ -194,10 +194,10 @@ class TransformerEncoderLayer(NotScriptable, Module):
             src_key_padding_mask: (N, S) or (S,); bool True = padding, or float additive.
             is_causal: hint that ``src_mask`` is the causal mask (``src_mask`` still required).
         """
-        warned = _masks.check_mask_pair(src_key_padding_mask, src_mask, "src_key_padding_mask", "src_mask")
+        warned = mask_translation.check_mask_pair(src_key_padding_mask, src_mask, "src_key_padding_mask", "src_mask")
         x = src
-        with _masks.quiet_mask_warnings(warned):
-            fused = _inference.encoder_layer(self, src, src_mask, src_key_padding_mask, is_causal)
+        with mask_translation.quiet_mask_warnings(warned):
+            fused = fused_inference.encoder_layer(self, src, src_mask, src_key_padding_mask, is_causal)
             if fused is not None:
                 return fused
             if self.norm_first:
@@ -293,7 +293,7 @@ class TransformerDecoderLayer(NotScriptable, Module):
             tgt_key_padding_mask: (N, T); memory_key_padding_mask: (N, S); bool True = padding.
             tgt_is_causal, memory_is_causal: hints that the masks are causal (masks still required).
         """
-        fused = _inference.decoder_layer(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+        fused = fused_inference.decoder_layer(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
                                          memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         if fused is not None:
             return fused
@@ -379,12 +379,12 @@ class TransformerEncoder(NotScriptable, Module):
             is_causal: True/False hint that ``mask`` is causal; None (default) compares
                 ``mask`` with the causal mask (as torch does).
         """
-        warned = _masks.check_mask_pair(src_key_padding_mask, mask, "src_key_padding_mask", "mask")
+        warned = mask_translation.check_mask_pair(src_key_padding_mask, mask, "src_key_padding_mask", "mask")
         batch_first = self.layers[0].self_attn.batch_first
-        is_causal = _masks.detect_is_causal_mask(mask, is_causal, _get_seq_len(src, batch_first))
+        is_causal = mask_translation.detect_is_causal_mask(mask, is_causal, _get_seq_len(src, batch_first))
 
         output = src
-        with _masks.quiet_mask_warnings(warned):
+        with mask_translation.quiet_mask_warnings(warned):
             for mod in self.layers:
                 output = mod(output, src_mask=mask, is_causal=is_causal, src_key_padding_mask=src_key_padding_mask)
         if self.norm is not None:
@@ -426,7 +426,7 @@ class TransformerDecoder(NotScriptable, Module):
         ``tgt_is_causal=None`` (default) compares ``tgt_mask`` with the causal mask, as torch.
         """
         seq_len = _get_seq_len(tgt, self.layers[0].self_attn.batch_first)
-        tgt_is_causal = _masks.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len)
+        tgt_is_causal = mask_translation.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len)
 
         output = tgt
         for mod in self.layers:

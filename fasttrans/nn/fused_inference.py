@@ -12,7 +12,7 @@ The fused call is taken only where it computes exactly what the module path woul
 - inference: the layer and every dropout in it in eval mode, and no gradient to record
   (grad mode off, or no parameter or input that requires one); no autocast;
 - the extension backend runs attention and the norms (automatic on CPU, or forced), in
-  eager mode outside torch.func transforms (fasttrans.functional._layer_inference_op);
+  eager mode outside torch.func transforms (fasttrans.functional.inference_op);
 - the layer's parts are the stock ones: fasttrans MultiheadAttention with a packed
   in_proj and no bias_k / bias_v / add_zero_attn, torch.nn.Linear feed-forward layers,
   fasttrans LayerNorms over the last dim, relu or gelu (the functions, or nn.ReLU /
@@ -46,12 +46,16 @@ from torch import Tensor
 from torch.nn import Linear, Module
 
 from .. import functional as FT
-from . import _masks
-from . import attention as _attention  # a module reference: attention.py imports this module
+from . import mask_translation
 from .dropout import Dropout
 from .normalization import LayerNorm
 
-__all__ = ["encoder_layer", "decoder_layer", "decoder_layer_step", "multihead_attention"]
+__all__ = ["encoder_layer", "decoder_layer", "decoder_layer_step", "multihead_attention", "FUSABLE_ATTENTION"]
+
+# The MultiheadAttention classes whose forward the fused ops reproduce; fasttrans.nn.attention
+# adds its own (this module cannot import it: that module calls this one). Exact types only:
+# a subclass may override what the ops would skip.
+FUSABLE_ATTENTION: set[type] = set()
 
 _RELU, _GELU, _GELU_TANH = 0, 1, 2  # the op's activation codes
 
@@ -89,7 +93,7 @@ def _attention_supported(m: Module) -> bool:
 
 def _attention_ok(m: Module, E: int) -> bool:
     """A layer's attention part: also exactly fasttrans's class, E features, no hooks or pin."""
-    return type(m) is _attention.MultiheadAttention and m.embed_dim == E and _attention_supported(m) and _plain(m)
+    return type(m) in FUSABLE_ATTENTION and m.embed_dim == E and _attention_supported(m) and _plain(m)
 
 
 def _attention_parameters(m: Module) -> tuple:
@@ -132,13 +136,13 @@ _DECODER_PARTS = (("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
                   ("dropout", "dropout1", "dropout2", "dropout3"))
 
 
-def _layer_parts(layer: Module, x: Tensor, parts: tuple, op_for=None):
+def _layer_parts(layer: Module, x: Tensor, parts: tuple, kind: str = "layer"):
     """(op, attention modules, linear1, linear2, norms, activation code) when the layer may
-    take the fused call on x (see the module docstring), else None. op_for(x) gives the op
-    (default: the whole layer's, FT._layer_inference_op)."""
+    take the fused call on x (see the module docstring), else None. kind: the op's, as
+    :func:`fasttrans.functional.inference_op` names it."""
     if layer.training or not _input_ok(x) or x.dim() not in (2, 3):
         return None
-    op = (op_for or FT._layer_inference_op)(x)
+    op = FT.inference_op(kind, x)
     if op is None or torch.is_autocast_enabled("cpu"):
         return None
     g = torch.nn.modules.module
@@ -184,7 +188,7 @@ def _op_masks(attention, query: Tensor, key: Tensor, key_padding_mask, attn_mask
     query, key, _, key_padding_mask, batched, seq_first = attention._batched_inputs(
         query, key, key, key_padding_mask, attn_mask, False, is_causal)
     n_dim, l_dim = (1, 0) if seq_first else (0, 1)
-    masks = _masks.translate(
+    masks = mask_translation.translate(
         attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=False, batch=query.shape[n_dim],
         heads=attention.num_heads, tgt_len=query.shape[l_dim], src_len=key.shape[l_dim],
     )
@@ -239,7 +243,7 @@ def decoder_layer_step(layer, x: Tensor, self_k: Tensor, self_v: Tensor, start: 
     apply (as for :func:`decoder_layer`, and caches that are not in x's dtype or need a gradient)."""
     if x.dim() != 3:
         return None
-    parts = _layer_parts(layer, x, _DECODER_PARTS, FT._decoder_step_inference_op)
+    parts = _layer_parts(layer, x, _DECODER_PARTS, "decoder_step")
     if parts is None:
         return None
     op, attentions, linear1, linear2, norms, activation = parts
@@ -256,18 +260,18 @@ def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_
     """(output, weights or None) of MultiheadAttention.forward in one fused call, for inputs
     it has checked and given a batch dim; or None where the call does not apply: a module the
     ops do not compute (:func:`_attention_supported`), a key that is not the value, gradients,
-    autocast (and what functional._attention_inference_op refuses). Hooks and a backend pin
+    autocast (and what functional.inference_op refuses). Hooks and a backend pin
     on the module itself are served by its __call__ and forward already."""
     if not kv_same or not _attention_supported(mha):
         return None
-    op = FT._attention_inference_op(query)
+    op = FT.inference_op("attention", query)
     if op is None or torch.is_autocast_enabled("cpu"):
         return None
     parameters = _attention_parameters(mha)
     if (not (_input_ok(query) and _input_ok(key) and _no_grad_same_dtype([*parameters, key], query))
             or _masks_need_grad(attn_mask, key_padding_mask)):
         return None
-    masks = _masks.translate(
+    masks = mask_translation.translate(
         attn_mask, key_padding_mask, is_causal=bool(is_causal), need_weights=need_weights, batch=batch,
         heads=mha.num_heads, tgt_len=tgt_len, src_len=src_len,
     )
