@@ -306,6 +306,45 @@ def test_apply_skips_gemma_norms_and_says_why():
     assert all(type(m).__name__ == "GemmaRMSNorm" for m in model.modules() if "RMSNorm" in type(m).__name__)
 
 
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_norms_are_replaced_while_loading(family, tmp_path):
+    """replacing_norms(): models built inside get fasttrans's RMSNorm from the start, with
+    the same state_dict and numbers as transformers' norms; nothing stays patched after."""
+    auto = transformers.AutoModelForSeq2SeqLM if family in ENC_DEC else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    plain = auto.from_config(_config(family)).eval()
+    with ftt.replacing_norms() as names:
+        assert {"LlamaRMSNorm", "T5LayerNorm"} <= set(names) and "GemmaRMSNorm" not in names
+        built = auto.from_config(_config(family)).eval()
+    assert transformers.monkey_patching.get_patch_mapping() == {}
+    norms = [m for m in built.modules() if "Norm" in type(m).__name__]
+    assert norms and all(type(m) is ftt.RMSNorm for m in norms)
+    assert list(built.state_dict()) == list(plain.state_dict())
+    built.load_state_dict(plain.state_dict())
+    kw, _ = _inputs(family, left=False)
+    with torch.no_grad():
+        want = plain(**kw).logits
+        _close(built(**kw).logits, want, "logits", scale=want.abs().max().item())
+    built.save_pretrained(tmp_path)
+    with ftt.replacing_norms():
+        loaded = auto.from_pretrained(tmp_path).eval()
+    assert all(type(m) is ftt.RMSNorm for m in loaded.modules() if "Norm" in type(m).__name__)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kw).logits, built(**kw).logits, rtol=0, atol=0)
+
+
+def test_replacing_norms_refuses_a_mapping_the_user_made():
+    mp = transformers.monkey_patching
+    mp.register_patch_mapping({"LlamaRMSNorm": torch.nn.Identity})
+    try:
+        with pytest.raises(RuntimeError, match="LlamaRMSNorm"):
+            with ftt.replacing_norms():
+                pass
+        assert mp.get_patch_mapping() == {"LlamaRMSNorm": torch.nn.Identity}
+    finally:
+        mp.unregister_patch_mapping(["LlamaRMSNorm"])
+
+
 def test_convert_reports_transformers_parts():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_config("llama"))

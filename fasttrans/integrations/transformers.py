@@ -37,8 +37,11 @@ Parameter objects and state_dict keys; norms that compute something else (Gemma'
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
 import warnings
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -47,7 +50,8 @@ from .. import conversion
 from .. import functional as FT
 from .. import nn as ftnn
 
-__all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "RMSNorm"]
+__all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
+           "RMSNorm"]
 
 NAME = "fasttrans"
 SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
@@ -372,3 +376,61 @@ def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[
         warnings.warn("fasttrans.integrations.transformers.apply left these modules as they were: "
                       + "; ".join(f"{n} ({why})" for n, why in skipped), UserWarning, stacklevel=2)
     return model, skipped
+
+
+# The norm classes replacing_norms() may swap at construction, each probed before use:
+# (module under transformers.models, class name).
+_NORM_CLASSES = (
+    ("llama.modeling_llama", "LlamaRMSNorm"), ("mistral.modeling_mistral", "MistralRMSNorm"),
+    ("mixtral.modeling_mixtral", "MixtralRMSNorm"), ("qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+    ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeRMSNorm"), ("phi3.modeling_phi3", "Phi3RMSNorm"),
+    ("granite.modeling_granite", "GraniteRMSNorm"), ("olmo2.modeling_olmo2", "Olmo2RMSNorm"),
+    ("t5.modeling_t5", "T5LayerNorm"), ("mt5.modeling_mt5", "MT5LayerNorm"),
+    ("gemma.modeling_gemma", "GemmaRMSNorm"),  # (1 + weight): the probe leaves it out
+)
+
+
+def _replaceable_norm_classes() -> dict[str, type]:
+    """{class name: RMSNorm} for the classes of _NORM_CLASSES this transformers has whose
+    forward computes weight * x / rms(x) on a probe (a fresh instance with a random weight)."""
+    mapping = {}
+    for module_name, class_name in _NORM_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
+        except (ImportError, AttributeError):
+            continue
+        probe = cls(16, eps=1e-6)
+        with torch.no_grad():
+            probe.weight.copy_(torch.linspace(0.5, 1.5, 16))
+        eps, why = _rms_norm_eps(probe)
+        if why is None and _behaves_as_rms_norm(probe, eps) is None:
+            mapping[class_name] = RMSNorm
+    return mapping
+
+
+@contextlib.contextmanager
+def replacing_norms() -> Iterator[list[str]]:
+    """Models built inside (``from_pretrained``, ``from_config``) get :class:`RMSNorm` in the
+    place of transformers' RMS norms, through transformers' ``register_patch_mapping``; the
+    mapping is removed on exit. Yields the class names it maps. Only classes whose forward
+    was checked on a probe to compute ``weight * x / rms(x)`` are mapped (Gemma's ``(1 +
+    weight)`` is not); ``torch.nn.LayerNorm`` and models built earlier need :func:`apply`.
+
+        with ftt.replacing_norms():
+            model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fasttrans")
+    """
+    transformers = _transformers()
+    _check_version(transformers.__version__)
+    mp = importlib.import_module("transformers.monkey_patching")
+    mapping = _replaceable_norm_classes()
+    taken = sorted(set(mapping) & set(mp.get_patch_mapping()))
+    if taken:
+        raise RuntimeError(f"replacing_norms: transformers already has patch mappings for {taken}; remove them "
+                           "(transformers.monkey_patching.unregister_patch_mapping) or use apply(model) after loading")
+    mp.register_patch_mapping(mapping)
+    try:
+        yield sorted(mapping)
+    finally:
+        mp.unregister_patch_mapping(list(mapping))
+
