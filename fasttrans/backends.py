@@ -87,124 +87,6 @@ class BackendUnavailableError(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------
-# The reference backend's implementation of the backend interface
-# --------------------------------------------------------------------------------------
-class _ReferenceImpl:
-    """Backend interface on top of fasttrans.reference; gradients by autograd on recompute."""
-
-    @staticmethod
-    def attention_dropout_mask(q, k, dropout_p, seed):
-        B, H, Lq, _ = q.shape
-        return reference.attention_dropout_keep(int(seed), dropout_p, B, H, Lq, k.shape[2], q.device)
-
-    @classmethod
-    def _keep(cls, q, k, dropout_p, seed):
-        return cls.attention_dropout_mask(q, k, dropout_p, seed) if dropout_p > 0 else None
-
-    @classmethod
-    def attention_fwd(cls, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
-        return reference.attention_with_lse(
-            q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
-            causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
-            dropout_mask=cls._keep(q, k, dropout_p, seed),
-        )
-
-    @classmethod
-    def attention_bwd(cls, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                      dropout_p, scale, seed, mask_grad):
-        # Explicit formulas (custom-op bodies run below autograd, so no autograd here):
-        #   P = softmax(S), Pd = P * keep / (1 - p), O = Pd V
-        #   dV = Pd^T dO      dPd = dO V^T      dP = dPd * keep / (1 - p)
-        #   dS = P * (dP - rowsum(dO * O))      dQ = scale dS K      dK = scale dS^T Q
-        # and dS is also the gradient of an additive float mask.
-        B, H, Lq, D = q.shape
-        group = H // k.shape[1]
-        acc = reference.accumulation_dtype(q)
-        p = reference.attention_probs(
-            q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
-            causal_offset=causal_offset, scale=scale,
-        ).to(acc)  # (B, H, Lq, Lk)
-        keep = cls._keep(q, k, dropout_p, seed)
-        drop = keep.to(acc) / (1.0 - dropout_p) if keep is not None else None
-        pd = p * drop if drop is not None else p
-        kf = k.to(acc).repeat_interleave(group, dim=1)  # (B, H, Lk, D)
-        vf = v.to(acc).repeat_interleave(group, dim=1)
-        do = dout.to(acc)
-        dv = pd.transpose(-1, -2) @ do  # (B, H, Lk, D)
-        dp = do @ vf.transpose(-1, -2)  # (B, H, Lq, Lk)
-        if drop is not None:
-            dp = dp * drop
-        delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, Lq, 1)
-        ds = p * (dp - delta)
-        dq = scale * ds @ kf
-        dk = scale * ds.transpose(-1, -2) @ q.to(acc)
-
-        def per_kv_head(t):  # (B, H, Lk, D) -> (B, Hkv, Lk, D): sum over the query heads of a group
-            return t.view(B, H // group, group, *t.shape[2:]).sum(2)
-
-        dmask = ds if mask_grad else None  # fp32 (fp64 for fp64 inputs)
-        return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype), dmask
-
-    @staticmethod
-    def norm_fwd(x, residual, weight, bias, eps, rms):
-        h = x + residual if residual is not None else x
-        hf = h.to(reference.accumulation_dtype(h))
-        if rms:
-            mean = None
-            rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
-            y = reference.rms_norm(h, (h.shape[-1],), weight, eps)
-        else:
-            mean = hf.mean(-1)
-            rstd = torch.rsqrt((hf - mean[:, None]).pow(2).mean(-1) + eps)
-            y = reference.layer_norm(h, (h.shape[-1],), weight, bias, eps)
-        return y, (h if residual is not None else None), mean, rstd
-
-    @staticmethod
-    def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
-        # d/dh of y = xhat * w + b with xhat = (h - mean) * rstd (mean = 0 for RMSNorm):
-        #   dxhat = dy * w
-        #   dh    = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))   [LayerNorm]
-        #   dh    = rstd * (dxhat - xhat * mean(dxhat * xhat))                 [RMSNorm]
-        # LayerNorm re-centres xhat. The saved mean is rounded (δ ≈ ulp(mean) / 2), which
-        # shifts every xhat by δ·rstd and dx by up to δ·rstd²·|dxhat|: on rows whose spread is
-        # small against their mean, with var near eps, that is a large part of dx itself (the
-        # terms of dx nearly cancel there). mean(xhat), 0 in exact arithmetic, measures the
-        # shift; subtracting it took the p99 relative dx error over such rows from 1e-4 to
-        # 6e-7 (a probe over 2,000 random batches; tests/test_functional.py::
-        # test_norm_backward_on_rows_near_their_mean checks such rows against torch's error).
-        acc = reference.accumulation_dtype(h)
-        hf, dyf = h.to(acc), dy.to(acc)
-        xhat = (hf if rms else hf - mean[:, None]) * rstd[:, None]
-        if not rms:
-            xhat = xhat - xhat.mean(-1, keepdim=True)
-        dxhat = dyf * weight.to(acc) if weight is not None else dyf
-        proj = (dxhat * xhat).mean(-1, keepdim=True)
-        centred = dxhat if rms else dxhat - dxhat.mean(-1, keepdim=True)
-        dx = rstd[:, None] * (centred - xhat * proj)
-        if dh is not None:
-            dx = dx + dh.to(acc)
-        dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else None
-        db = dyf.sum(0).to(bias.dtype) if bias is not None else None
-        return dx.to(h.dtype), dw, db
-
-    @staticmethod
-    def _dropout_scale(x, p):
-        acc = reference.accumulation_dtype(x)
-        return acc, torch.tensor(1.0 / (1.0 - p), dtype=acc).item()  # 1/(1-p) rounded to acc
-
-    @classmethod
-    def dropout_fwd(cls, x, p, seed):
-        keep = reference.dropout_keep(int(seed), p, x.shape, x.device)
-        return cls.dropout_bwd(x, keep, p), keep
-
-    @classmethod
-    def dropout_bwd(cls, dy, keep, p):
-        acc, scale = cls._dropout_scale(dy, p)
-        factor = keep.to(acc) * scale  # a product, not a select: a dropped inf or NaN gives NaN
-        return (dy.to(acc) * factor).to(dy.dtype)
-
-
-# --------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------
 # Selections are memoised per (op, device, dtype), forced ones per forced backend as well:
@@ -226,7 +108,7 @@ def _backends_changed() -> None:
 def reference_impl():
     """The reference backend's implementation of the backend interface, called directly: pure
     PyTorch ops, so autograd (forward mode included) sees through it."""
-    return _ReferenceImpl
+    return reference.ReferenceImpl
 
 
 class _Registry(dict):
@@ -394,7 +276,7 @@ def _load_extension():
 BACKENDS: dict[str, Backend] = _Registry({
     "triton": Backend("triton", _load_triton, _triton_check, fp64_devices=()),
     "extension": Backend("extension", _load_extension, _extension_check, fp64_devices=("cpu",)),
-    "reference": Backend("reference", lambda: _ReferenceImpl(), lambda device: None),
+    "reference": Backend("reference", lambda: reference.ReferenceImpl(), lambda device: None),
 })
 
 
@@ -707,7 +589,7 @@ def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op)
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
             _check_second_order("attention", name, ctx.forced)
             grads = _grad_with_graph(
-                lambda q, k, v, m: _ReferenceImpl.attention_fwd(
+                lambda q, k, v, m: reference.ReferenceImpl.attention_fwd(
                     q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
                 (q, k, v, attn_mask), ctx.needs_input_grad[:4], (dout,))
             return (*grads, None, None, None, None, None, None)
@@ -740,7 +622,7 @@ def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op)
             grads = (None, None, None)
             if dy is not None:
                 grads = _grad_with_graph(
-                    lambda h, w, b: _ReferenceImpl.norm_fwd(h, None, w, b, ctx.eps, ctx.rms)[0],
+                    lambda h, w, b: reference.ReferenceImpl.norm_fwd(h, None, w, b, ctx.eps, ctx.rms)[0],
                     (h, weight, bias), (needs[0] or needs[1], needs[2], needs[3]), (dy,))
             dx = grads[0] if dh is None else (dh if grads[0] is None else grads[0] + dh)
             return dx, (dx if ctx.has_residual else None), grads[1], grads[2], None, None
@@ -761,7 +643,7 @@ def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op)
     def dropout_backward(ctx, dy, dkeep):
         (keep,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
-            return _ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
+            return reference.ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
         return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
 
     return {"attention": (attention_setup, attention_backward), "norm": (norm_setup, norm_backward),
