@@ -94,7 +94,7 @@ import triton.language as tl
 from fasttrans.dropout_spec import dropout_threshold
 
 from . import capability, cdiv, device_index, next_power_of_2, on_device
-from ._launch import Launcher
+from ._launch import Launcher, Spec
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
@@ -1046,26 +1046,46 @@ def _check_dtype(q: torch.Tensor) -> None:
 _PLAIN = {kernel: Launcher(kernel, fresh) for kernel, fresh in _FRESH.items()}
 
 
-def _run(kernel, cfg: triton.Config, grid, args, constexprs) -> None:
+# Launch specs (constexprs and options) are made once per configuration and derived ones
+# cached, so a launch passes the same Spec object each time (plans are keyed by identity).
+@functools.lru_cache(maxsize=None)
+def _spec_with(spec: Spec, **constexprs) -> Spec:
+    return Spec({**spec.constexprs, **constexprs}, **spec.options)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_without(spec: Spec, name: str) -> Spec:
+    return Spec({n: v for n, v in spec.constexprs.items() if n != name}, **spec.options)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_for_config(spec: Spec, cfg: triton.Config) -> Spec:
+    return Spec({**spec.constexprs, **cfg.kwargs}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+_NO_CONSTEXPRS = Spec({})
+
+
+def _run(kernel, cfg: triton.Config, grid, args, spec: Spec) -> None:
     """Run ``kernel`` with one fixed configuration (the caller holds the device guard)."""
-    _PLAIN[kernel](grid(cfg.kwargs), args, {**constexprs, **cfg.kwargs}, args[0].device.index,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _PLAIN[kernel](grid(cfg.kwargs), args, _spec_for_config(spec, cfg), args[0].device.index)
 
 
-def _launch(tuned: dict, kernel, stage: str, grid, args, constexprs) -> None:
+def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec) -> None:
     """Run ``kernel`` with the interpreter's fixed configuration, or its GPU autotuner.
 
     ``grid`` maps the launch meta-parameters (BLOCK_M, BLOCK_N) to the launch grid.
     """
     if _interpreting():
-        _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, constexprs)
+        _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, spec)
         return
     q = args[0]  # every launch passes q first
     arch, precision = _gpu_arch(q.device), _precision_class(q.dtype)
-    cls = (_head_dim_class(constexprs["BLOCK_D"]), _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"]))
+    c = spec.constexprs
+    cls = (_head_dim_class(c["BLOCK_D"]), _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
-        constexprs = dict(constexprs, INPUT_PRECISION="ieee")
-    tuned[(precision, arch, *cls)](grid, args, constexprs, q.device.index)
+        spec = _spec_with(spec, INPUT_PRECISION="ieee")
+    tuned[(precision, arch, *cls)](grid, args, spec, q.device.index)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -1110,8 +1130,8 @@ def _lengths_operand(key_lengths: torch.Tensor | None, q: torch.Tensor) -> torch
     return key_lengths.to(device=q.device, dtype=torch.int32).contiguous()
 
 
-def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
-    """The launch's constexprs from its inputs (a shared dict: copy it to change it)."""
+def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> Spec:
+    """The launch's constexprs from its inputs (shared: derive others with _spec_with)."""
     mask_kind = MASK_NONE if attn_mask is None else MASK_BOOL if attn_mask.dtype == torch.bool else MASK_FLOAT
     dtype = q.dtype
     # the TF32 flag is read per call, as torch reads it per matmul; 16-bit inputs ignore it.
@@ -1123,12 +1143,17 @@ def _features(q, attn_mask, key_lengths, is_causal, dropout_p) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _features_of(D: int, mask_kind: int, has_key_lengths: bool, is_causal: bool, has_dropout: bool,
-                 dot_fp32: bool, input_precision: str) -> dict:
-    return dict(
+                 dot_fp32: bool, input_precision: str) -> Spec:
+    return Spec(dict(
         HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), MASK_KIND=mask_kind,
         HAS_KEY_LENGTHS=has_key_lengths, IS_CAUSAL=is_causal, HAS_DROPOUT=has_dropout,
         DOT_FP32=dot_fp32, INPUT_PRECISION=input_precision,
-    )
+    ))
+
+
+@functools.lru_cache(maxsize=None)
+def _preprocess_spec(D: int, block_d: int) -> Spec:
+    return Spec(dict(HEAD_DIM=D, BLOCK_D=block_d))
 
 
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
@@ -1175,6 +1200,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     mask, _, mstride = _mask_operand(attn_mask, q)
     kl = _lengths_operand(key_lengths, q)
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
+    fc = feats.constexprs
     buckets = (_bucket(Lq), _bucket(Lk))
 
     # per row: delta, hi and dO, times r on rows of huge scores (see the module docstring)
@@ -1183,24 +1209,24 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     if _interpreting():
         pre, exact, exact_feats = INTERPRETER_CONFIGS["preprocess"], INTERPRETER_CONFIGS["exact_rows"], feats
     else:
-        dclass, arch = _head_dim_class(feats["BLOCK_D"]), _gpu_arch(q.device)
+        dclass, arch = _head_dim_class(fc["BLOCK_D"]), _gpu_arch(q.device)
         pre, exact = BWD_PREPROCESS_CONFIGS[dclass], BWD_EXACT_ROWS_CONFIGS[dclass]
         # the statistics' scores are rounded as the dQ kernel's class rounds them
         ieee = (_precision_class(q.dtype) == "fp32"
-                and (dclass, _weight(feats["MASK_KIND"], feats["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
-        exact_feats = dict(feats, INPUT_PRECISION="ieee") if ieee else feats
+                and (dclass, _weight(fc["MASK_KIND"], fc["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
+        exact_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
     with on_device(q):
         _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
-             dict(HEAD_DIM=D, BLOCK_D=feats["BLOCK_D"]))
+             _preprocess_spec(D, fc["BLOCK_D"]))
         _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
               H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
-             {n: v for n, v in exact_feats.items() if n != "HAS_DROPOUT"})  # l is the undropped sum
+             _spec_without(exact_feats, "HAS_DROPOUT"))  # l is the undropped sum
 
         common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
                   int(seed), *buckets)
-        for output in _dkdv_outputs(feats["BLOCK_D"]):
+        for output in _dkdv_outputs(fc["BLOCK_D"]):
             _launch(
                 _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
                 (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
@@ -1211,7 +1237,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
                  *dk.stride()[:3],
                  *dv.stride()[:3],
                  *mstride, *common),
-                dict(feats, OUTPUT=output),
+                _spec_with(feats, OUTPUT=output),
             )
         _launch(
             _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
@@ -1222,7 +1248,7 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
              *dout_r.stride()[:3],
              *dq.stride()[:3],
              *mstride, *common),
-            dict(feats, MASK_GRAD=bool(mask_grad)),
+            _spec_with(feats, MASK_GRAD=bool(mask_grad)),
         )
     return dq, dk, dv, dmask
 
@@ -1237,7 +1263,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
     cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
     with on_device(q):
         _run(_attention_dropout_mask_kernel, cfg, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-             (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), {})
+             (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), _NO_CONSTEXPRS)
     return keep.view(torch.bool)
 
 

@@ -672,7 +672,8 @@ def test_3xtf32_attention_error_is_within_the_fp32_tolerance(D):
 
 
 class _RecordingTuner(dict):
-    """Stands in for an autotuned-kernel table: records the key and constexprs of each launch."""
+    """Stands in for an autotuned-kernel table: records the key and constexprs of each launch
+    (a launch passes a kernels._launch.Spec)."""
 
     def __init__(self, calls):
         super().__init__()
@@ -681,8 +682,8 @@ class _RecordingTuner(dict):
     def __missing__(self, key):
         calls = self.calls
 
-        def launch(grid, args, constexprs, device_index=None, **options):  # a kernels._launch.Launcher call
-            calls.append((key, constexprs))
+        def launch(grid, args, spec, device_index=None, **options):  # a kernels._launch.Launcher call
+            calls.append((key, spec.constexprs))
 
         return launch
 
