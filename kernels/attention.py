@@ -94,12 +94,18 @@ import triton.language as tl
 from fasttrans.dropout_spec import dropout_threshold
 
 from . import capability, cdiv, device_index, next_power_of_2, on_device
+from ._attention_configs import (
+    FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
+    BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
+    DROPOUT_MASK_CONFIG, INTERPRETER_CONFIGS,
+)
 from ._launch import Launcher, Spec
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
 # --------------------------------------------------------------------------------------
-# Launch configurations
+# Constants and launch keys (the configuration tables: kernels/_attention_configs.py)
 # --------------------------------------------------------------------------------------
 # Mask kinds (the MASK_KIND constexpr)
 MASK_NONE = 0
@@ -114,164 +120,6 @@ MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
 EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recomputed (see above)
 
-
-def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> triton.Config:
-    meta = {"BLOCK_M": block_m} if block_n is None else {"BLOCK_M": block_m, "BLOCK_N": block_n}
-    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
-
-
-# GPU configurations, autotuned per (architecture, head-dim class, weight). The architecture is
-# "sm_90" for compute capability >= 9 (wgmma) and "sm_80" below (mma.sync, which holds both
-# matmul operands in registers and so needs smaller tiles). The head-dim class is the padded
-# head dim BLOCK_D rounded up to 64, 128 or 256. "heavy" launches read a dense mask tile or
-# generate dropout bits per element (more registers live per tile); "light" ones have at most
-# key lengths and causal masking. BLOCK_M is the query tile, BLOCK_N the key tile in every
-# kernel. `python -m fasttrans compile-check` (part of the test suite) compiles every entry for
-# its architecture in its worst specialisation (light: causal + key lengths; heavy: float
-# mask and its gradient + causal + key lengths + dropout): each must spill nothing and lower
-# every matmul to mma.sync (sm_80) / wgmma (sm_90). wgmma needs a matmul M dimension >= 64:
-# the query tile in the forward and dQ kernels, the key tile in the dK/dV kernel (which
-# computes transposed for that reason).
-FWD_CONFIGS = {
-    "sm_90": {
-        (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
-        (64, "heavy"): [_cfg(64, 64, 4, 2)],
-        (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
-        (256, "light"): [_cfg(64, 32, 4, 2), _cfg(128, 64, 8, 2)],
-        (256, "heavy"): [_cfg(64, 16, 4, 1)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
-        (64, "heavy"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
-        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
-        (256, "light"): [_cfg(64, 16, 4, 1)],
-        (256, "heavy"): [_cfg(64, 16, 4, 1)],
-    },
-}
-# dK/dV: one program per key tile (BLOCK_N), inner loop over query tiles (BLOCK_M). Head dims
-# above 128 run it twice (dV, then dK), one fp32 accumulator at a time.
-BWD_DKDV_CONFIGS = {
-    "sm_90": {
-        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (64, "heavy"): [_cfg(32, 64, 4, 2)],
-        (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 4, 2), _cfg(16, 128, 8, 2)],
-        (256, "light"): [_cfg(16, 64, 8, 2)],
-        (256, "heavy"): [_cfg(16, 64, 8, 2)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (64, "heavy"): [_cfg(16, 64, 4, 2)],
-        (128, "light"): [_cfg(16, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 8, 2), _cfg(16, 32, 4, 2)],
-        (256, "light"): [_cfg(16, 64, 8, 1)],
-        (256, "heavy"): [_cfg(16, 32, 4, 1)],
-    },
-}
-# dQ: one program per query tile (BLOCK_M), inner loop over key tiles (BLOCK_N).
-BWD_DQ_CONFIGS = {
-    "sm_90": {
-        (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 64, 4, 2)],
-        (64, "heavy"): [_cfg(64, 32, 4, 2)],
-        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
-        (256, "light"): [_cfg(64, 32, 4, 2)],
-        (256, "heavy"): [_cfg(64, 16, 8, 2)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 32, 4, 2)],
-        (64, "heavy"): [_cfg(64, 16, 4, 2)],
-        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 8, 2)],
-        (256, "light"): [_cfg(64, 32, 8, 1), _cfg(64, 16, 4, 1)],
-        (256, "heavy"): [_cfg(32, 16, 4, 1)],
-    },
-}
-# fp32: 3xTF32 splits every operand into two TF32 halves held in registers at once, about
-# twice a 16-bit tile's registers, so fp32 has tables of its own, each entry the largest tiles
-# that compile-check builds without spills (smaller than the 16-bit ones; below 64 rows,
-# sm_90 runs mma.sync instead of wgmma). Where no 3xTF32 tile of any size compiled without
-# spills (head dim 256, and the masked/dropout dQ and sm_80 dK/dV at 128), the class runs
-# IEEE fp32 on FMA units in small tiles instead: FP32_IEEE_CLASSES.
-FWD_CONFIGS_FP32 = {
-    "sm_90": {
-        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
-        (128, "light"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 2)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
-        (256, "light"): [_cfg(16, 16, 8, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(128, 32, 8, 2), _cfg(128, 16, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 32, 4, 1)],
-        (128, "light"): [_cfg(32, 32, 4, 1)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
-        (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
-    },
-}
-BWD_DKDV_CONFIGS_FP32 = {
-    "sm_90": {
-        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
-        (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 32, 4, 2)],
-        (128, "light"): [_cfg(16, 16, 4, 1)],
-        (128, "heavy"): [_cfg(16, 16, 4, 1)],
-        (256, "light"): [_cfg(16, 32, 4, 1)],
-        (256, "heavy"): [_cfg(16, 32, 4, 1)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(16, 64, 8, 1), _cfg(16, 32, 4, 1)],
-        (64, "heavy"): [_cfg(16, 32, 4, 2), _cfg(16, 32, 8, 1)],
-        (128, "light"): [_cfg(16, 16, 4, 1), _cfg(32, 16, 4, 1)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1)],
-        (256, "light"): [_cfg(16, 32, 4, 1)],
-        (256, "heavy"): [_cfg(16, 32, 4, 1)],
-    },
-}
-BWD_DQ_CONFIGS_FP32 = {
-    "sm_90": {
-        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 1)],
-        (128, "light"): [_cfg(32, 32, 8, 1), _cfg(16, 32, 4, 1)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1)],
-        (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
-    },
-    "sm_80": {
-        (64, "light"): [_cfg(32, 32, 4, 1), _cfg(32, 16, 4, 1)],
-        (64, "heavy"): [_cfg(32, 16, 4, 1), _cfg(32, 32, 8, 1)],
-        (128, "light"): [_cfg(32, 16, 8, 1), _cfg(16, 32, 4, 1)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1)],
-        (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
-    },
-}
-_BOTH = {(256, "light"), (256, "heavy")}
-FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
-    "fwd": {"sm_90": _BOTH, "sm_80": _BOTH},
-    "dq": {"sm_90": _BOTH | {(128, "heavy")}, "sm_80": _BOTH | {(128, "heavy")}},
-    "dkdv": {"sm_90": _BOTH, "sm_80": _BOTH | {(128, "heavy")}},
-}
-del _BOTH
-# delta = rowsum(dO * O): one configuration per head-dim class, 8K elements per operand tile
-BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 256: _cfg(32, None, 4, 1)}
-# the statistics of rows of huge scores (rare: a block without one only reads its lse); not tuned
-BWD_EXACT_ROWS_CONFIGS = {64: _cfg(32, 16, 4, 1), 128: _cfg(16, 16, 4, 1), 256: _cfg(16, 16, 4, 1)}
-DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
-
-# The interpreter (TRITON_INTERPRET=1, CPU) runs one fixed small configuration: tiles small
-# enough that awkward sizes exercise partial tiles, multi-tile loops and BLOCK_M != BLOCK_N.
-INTERPRETER_CONFIGS = {
-    "fwd": _cfg(32, 16, 4, 1),
-    "dkdv": _cfg(16, 32, 4, 1),
-    "dq": _cfg(32, 16, 4, 1),
-    "preprocess": _cfg(32, None, 4, 1),
-    "exact_rows": _cfg(32, 16, 4, 1),
-    "dropout_mask": _cfg(64, 128, 4, 1),  # large: the interpreter's cost is per tile operation
-}
 
 # Autotuning keys: sequence lengths enter only through power-of-two buckets (LQ_BUCKET,
 # LK_BUCKET), so tuning runs at most once per bucket and feature combination.
