@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fasttrans.extension as extension
 
@@ -170,3 +171,63 @@ def test_a_bad_limit_is_refused_by_name():
     proc = _run_child(_CACHE_CHILD, {"FASTTRANS_CPU_CACHE_MB": "lots"})
     assert proc.returncode != 0
     assert "FASTTRANS_CPU_CACHE_MB" in proc.stderr and "'lots'" in proc.stderr, proc.stderr[-2000:]
+
+
+# A reused block holds whatever its last tensor held: every output element must be written.
+# Each case runs twice in this process; the first run's outputs are filled with NaN and freed
+# (so the cache holds NaN blocks of exactly the sizes the second run asks for), and the second
+# run must reproduce the first run's values.
+def _attention_case():
+    import fasttrans
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 8, 128, 128, generator=g)  # 2 MiB per tensor
+    k, v = (torch.randn(4, 4, 128, 128, generator=g) for _ in range(2))  # grouped-query heads
+    bias = torch.randn(4, 8, 128, 128, generator=g)
+    lengths = torch.tensor([128, 0, 77, 128])  # a sequence with no key at all
+    dout = torch.randn(4, 8, 128, 128, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = fasttrans.attention(*leaves[:3], attn_mask=leaves[3], key_lengths=lengths, is_causal=True)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+def _norm_case(op):
+    import fasttrans
+
+    g = torch.Generator().manual_seed(1)
+    x, r, dy, dh = (torch.randn(1024, 512, generator=g) for _ in range(4))  # 2 MiB per tensor
+    w, b = torch.randn(512, generator=g), torch.randn(512, generator=g)
+    xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+    if op == "add_layer_norm":
+        y, h = fasttrans.add_layer_norm(xg, rg, w, b)
+        return (y, h, *torch.autograd.grad((y, h), (xg, rg), (dy, dh)))
+    y = fasttrans.rms_norm(xg, (512,), w) if op == "rms_norm" else fasttrans.layer_norm(xg, (512,), w, b)
+    return (y, *torch.autograd.grad(y, (xg,), dy))
+
+
+def _dropout_case():
+    import fasttrans
+
+    x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    torch.manual_seed(3)
+    y = fasttrans.functional.dropout(x, 0.3)
+    return (y, *torch.autograd.grad(y, (x,), torch.ones_like(y)))
+
+
+@pytest.mark.parametrize("case", ["attention", "layer_norm", "add_layer_norm", "rms_norm", "dropout"])
+def test_reused_blocks_are_overwritten_everywhere(case):
+    import fasttrans
+
+    run = {"attention": _attention_case, "dropout": _dropout_case}.get(case, lambda: _norm_case(case))
+    with fasttrans.use_backend("extension"):
+        first = run()
+        want = [t.detach().clone() for t in first]
+        for t in first:
+            t.detach().fill_(float("nan"))
+        hits = extension.cpu_cache_info()["hits"]
+        del first
+        again = run()
+        assert extension.cpu_cache_info()["hits"] > hits, "the second run did not reuse the poisoned blocks"
+    for i, (got, expected) in enumerate(zip(again, want)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg=f"{case}: output {i}")
+        assert not got.isnan().any(), f"{case}: output {i} kept NaN from a reused block"
