@@ -38,6 +38,7 @@ Parameter objects and state_dict keys; norms that compute something else (Gemma'
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import re
 import warnings
@@ -391,9 +392,11 @@ _NORM_CLASSES = (
 )
 
 
+@functools.lru_cache(maxsize=1)
 def _replaceable_norm_classes() -> dict[str, type]:
     """{class name: RMSNorm} for the classes of _NORM_CLASSES this transformers has whose
-    forward computes weight * x / rms(x) on a probe (a fresh instance with a random weight)."""
+    forward computes weight * x / rms(x) on a probe (a fresh instance with a random weight);
+    probed once per process (importing the model modules is the slow part)."""
     mapping = {}
     for module_name, class_name in _NORM_CLASSES:
         try:
@@ -423,7 +426,7 @@ def replacing_norms() -> Iterator[list[str]]:
     transformers = _transformers()
     _check_version(transformers.__version__)
     mp = importlib.import_module("transformers.monkey_patching")
-    mapping = _replaceable_norm_classes()
+    mapping = dict(_replaceable_norm_classes())
     taken = sorted(set(mapping) & set(mp.get_patch_mapping()))
     if taken:
         raise RuntimeError(f"replacing_norms: transformers already has patch mappings for {taken}; remove them "
