@@ -865,3 +865,25 @@ def test_a_dropout_probability_out_of_range_fails_in_training_as_in_torch(need_w
         errors.append(err.value)
         assert m.eval()(x, x, x, need_weights=need_weights)[0].shape == (L, N, E)  # unused in eval mode
     assert isinstance(errors[1], type(errors[0]))
+
+
+def test_tensor_memo_keeps_values_per_live_unchanged_tensor():
+    """The memo behind the GPU causal check (and the transformers integration's key lengths):
+    keyed by identity (a WeakKeyDictionary compares multi-element tensors with == and fails),
+    forgotten on an in-place change, another extra argument, or the tensor's death."""
+    memo = mask_translation.TensorMemo()
+    a, twin = torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.bool)
+    memo.put(a, (2, 3), "a")
+    assert memo.get(a, (2, 3)) == "a"
+    assert memo.get(twin, (2, 3)) is None  # equal values, another tensor
+    assert memo.get(a, (3, 3)) is None
+    a[0, 0] = False
+    assert memo.get(a, (2, 3)) is None
+    memo.put(a, (2, 3), "changed")
+    assert memo.get(a, (2, 3)) == "changed"
+    del a
+    assert memo._entries == {}
+    with torch.inference_mode():
+        frozen = torch.ones(2, 3)
+        memo.put(frozen, None, "x")
+        assert memo.get(frozen) is None

@@ -144,15 +144,39 @@ def is_causal_mask(mask: Tensor, L: int, S: int) -> bool:
         return _compare_with_causal(mask, L, S)
     # On a GPU the comparison's answer costs a host-device synchronisation: it is taken once
     # per mask and kept while the mask is unchanged (a model's layers and steps share one).
-    seen = _causal_answers.get(mask)
-    if seen is not None and seen[0] == mask._version and seen[1:3] == (L, S):
-        return seen[3]
-    answer = _compare_with_causal(mask, L, S)
-    _causal_answers[mask] = (mask._version, L, S, answer)
+    answer = _causal_answers.get(mask, (L, S))
+    if answer is None:
+        answer = _compare_with_causal(mask, L, S)
+        _causal_answers.put(mask, (L, S), answer)
     return answer
 
 
-_causal_answers: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+class TensorMemo:
+    """Values computed from a tensor, kept while it lives and is not changed in place.
+
+    Keyed by identity: tensors compare elementwise, so a WeakKeyDictionary, which compares
+    its keys with ==, cannot hold them. ``get(t, extra)`` returns what ``put(t, extra,
+    value)`` stored (``extra``: the other arguments the value depends on), or None when t
+    changed (its version counter moved), was never seen or is an inference tensor (which has
+    no version counter)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, t: Tensor, extra=None):
+        entry = self._entries.get(id(t))
+        if entry is None or entry[0]() is not t or t.is_inference() or entry[1] != t._version or entry[2] != extra:
+            return None
+        return entry[3]
+
+    def put(self, t: Tensor, extra, value) -> None:
+        if t.is_inference():
+            return
+        key, entries = id(t), self._entries
+        entries[key] = (weakref.ref(t, lambda _, key=key: entries.pop(key, None)), t._version, extra, value)
+
+
+_causal_answers = TensorMemo()  # GPU masks: (L, S) -> whether the mask is causal
 
 
 def _compare_with_causal(mask: Tensor, L: int, S: int) -> bool:
