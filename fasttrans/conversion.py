@@ -31,7 +31,7 @@ from torch import nn
 from . import backends
 from . import nn as ftnn
 
-__all__ = ["convert"]
+__all__ = ["convert", "is_transformers_norm"]
 
 _HOOK_ATTRS = (
     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -126,6 +126,15 @@ def _shallow_copy(m: nn.Module) -> nn.Module:
     return new
 
 
+def is_transformers_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is a Hugging Face transformers norm module (``*RMSNorm``, ``*LayerNorm``
+    classes of transformers' own, not ``torch.nn.LayerNorm``), by class name and module
+    only: never imports transformers."""
+    cls = type(m)
+    return (cls.__module__.startswith("transformers.") and cls.__name__.endswith(("RMSNorm", "LayerNorm"))
+            and not isinstance(m, nn.LayerNorm))
+
+
 def _transformers_part(m: nn.Module) -> str | None:
     """Why ``m``, a Hugging Face transformers attention or norm module, is left as it is (its
     code is transformers', not torch.nn's); None for any other module. Reads class names only,
@@ -139,7 +148,7 @@ def _transformers_part(m: nn.Module) -> str | None:
             return None
         return (f"a transformers attention module (attn_implementation={impl!r}): use "
                 "fasttrans.integrations.transformers.register() and attn_implementation='fasttrans'")
-    if cls.__name__.endswith(("RMSNorm", "LayerNorm")) and not isinstance(m, nn.LayerNorm):
+    if is_transformers_norm(m):
         return ("a transformers norm: fasttrans.integrations.transformers.apply(model) replaces those that "
                 "compute weight * x / rms(x)")
     return None

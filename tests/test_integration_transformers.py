@@ -202,6 +202,21 @@ def test_cached_decoding_uses_a_bottom_right_causal_offset(monkeypatch):
     _close(got, want, "logits of 3 queries after 5 cached keys")
 
 
+def test_key_lengths_are_computed_once_per_mask():
+    """Every layer gets the same mask tensor: its key lengths are taken once and kept while
+    the mask is unchanged; an in-place change of the mask is seen."""
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    mask[0, ..., 4:] = False
+    first = ftt._key_lengths(mask, 2, 6)
+    assert first.tolist() == [4, 6]
+    assert ftt._key_lengths(mask, 2, 6) is first
+    mask[1, ..., 5:] = False
+    assert ftt._key_lengths(mask, 2, 6).tolist() == [4, 5]
+    with torch.inference_mode():
+        frozen = torch.ones(1, 1, 2, 6, dtype=torch.bool)
+        assert ftt._key_lengths(frozen, 3, 6).tolist() == [6, 6, 6]
+
+
 def test_t5_position_bias_gets_its_gradient():
     model, twin = _pair("t5")
     kw, seen = _inputs("t5", left=False)

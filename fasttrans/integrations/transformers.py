@@ -50,6 +50,7 @@ from torch import nn
 from .. import conversion
 from .. import functional as FT
 from .. import nn as ftnn
+from ..nn import mask_translation
 
 __all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
            "RMSNorm"]
@@ -162,12 +163,25 @@ def _reject_unsupported(module: nn.Module, kwargs: dict) -> None:
 
 def _key_lengths(mask: torch.Tensor, batch: int, kv_length: int) -> torch.Tensor | None:
     """(B,) one past the last key that any query of a sequence may see, from a bool mask,
-    on its device (no synchronisation): with the mask, the kernels skip the tiles past it."""
+    on its device (no synchronisation): with the mask, the kernels skip the tiles past it.
+    Every layer of a forward gets the same mask tensor, so eager calls compute this once per
+    mask (kept while the mask is unchanged)."""
     if mask.dim() != 4 or mask.shape[-1] != kv_length or mask.shape[0] not in (1, batch):
         return None
+    eager = not torch.compiler.is_compiling()
+    if eager:
+        seen = _lengths_of.get(mask, batch)
+        if seen is not None:
+            return seen
     visible = mask.any(dim=2).any(dim=1)  # (b, Lk)
     positions = torch.arange(1, kv_length + 1, device=mask.device)
-    return (visible * positions).amax(dim=-1).expand(batch)
+    lengths = (visible * positions).amax(dim=-1).expand(batch)
+    if eager:
+        _lengths_of.put(mask, batch, lengths)
+    return lengths
+
+
+_lengths_of = mask_translation.TensorMemo()
 
 
 def attention_forward(
@@ -304,12 +318,6 @@ def _behaves_as_rms_norm(m: nn.Module, eps: float) -> str | None:
     return None
 
 
-def _is_hf_norm(m: nn.Module) -> bool:
-    cls = type(m)
-    return (cls.__module__.startswith("transformers.") and cls.__name__.endswith(("RMSNorm", "LayerNorm"))
-            and not isinstance(m, nn.LayerNorm))
-
-
 def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
     skipped: list[tuple[str, str]] = []
     done: dict[int, nn.Module] = {}  # a module held at several paths gets one replacement
@@ -323,7 +331,7 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                 parent._modules[child_name] = done[id(child)]
                 continue
             new = child
-            if _is_hf_norm(child):
+            if conversion.is_transformers_norm(child):
                 eps, why = _rms_norm_eps(child)
                 why = why or _behaves_as_rms_norm(child, eps)
                 if why:
