@@ -12,8 +12,8 @@
 namespace fasttrans::cpu {
 namespace {
 
-// Below this size glibc keeps freed blocks in its free lists without trimming or mapping
-// them, so small outputs stay with torch's own allocator.
+// Smaller outputs stay with torch's own allocator: faulting a few pages back in costs little
+// next to the call, and every cached block is memory torch's allocations cannot reuse.
 constexpr size_t kMinCachedBytes = size_t{1} << 20;
 constexpr size_t kPage = 4096;
 
