@@ -50,10 +50,18 @@ CUresult cuCtxGetDevice(int *dev) { *dev = 0; return OK; }
 CUresult cuCtxGetLimit(size_t *value, int limit) { (void)limit; *value = 1 << 20; return OK; }
 CUresult cuCtxSetLimit(int limit, size_t value) { (void)limit; (void)value; return OK; }
 
-CUresult cuModuleLoadData(void **mod, const void *image) { (void)image; *mod = fake_handle; return OK; }
+/* Each loaded module, and the function taken from it, gets a handle of its own, so that a
+   recorded launch tells which compiled kernel it ran (tests/test_launch_plans.py). */
+static char module_handles[4096];
+static size_t modules_loaded;
+CUresult cuModuleLoadData(void **mod, const void *image) {
+  (void)image;
+  *mod = module_handles + (modules_loaded++ % sizeof module_handles);
+  return OK;
+}
 CUresult cuModuleUnload(void *mod) { (void)mod; return OK; }
 CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
-  (void)mod; (void)name; *fn = fake_handle; return OK;
+  (void)name; *fn = mod; return OK;
 }
 
 /* CUfunction_attribute: 0 MAX_THREADS_PER_BLOCK, others (registers, local, shared sizes) 0. */

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 import os
-from itertools import chain
+from collections.abc import Callable
 
 import torch
 import triton
@@ -33,7 +33,7 @@ from triton.runtime.autotuner import Autotuner
 
 from . import LAUNCH_OPTIONS
 
-__all__ = ["Launcher", "Spec", "PLANNED_VERSIONS", "plans_enabled"]
+__all__ = ["Launcher", "Spec", "PLANNED_VERSIONS", "plans_enabled", "signature", "int_class", "remember"]
 
 # Triton versions whose JITFunction.run launches as ``kernel.run(grid_0, grid_1, grid_2,
 # stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``
@@ -56,7 +56,7 @@ def plans_enabled() -> bool:
 
 _INT32_MIN, _INT32_END = -(2**31), 2**31
 _data_ptr = torch.Tensor.data_ptr
-_dtype_of = operator.attrgetter("dtype")
+_TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 
 def _getter(indices: list[int]):
@@ -69,37 +69,63 @@ def _getter(indices: list[int]):
     return operator.itemgetter(*indices)
 
 
-class _Layout:
-    """Where the tensors and integers sit among a call's runtime arguments (one per
-    pattern of argument types), to key a call with C-level maps instead of a Python loop."""
-
-    __slots__ = ("tensors", "ints")
-
-    def __init__(self, types: tuple, fresh: set[int]):
-        self.tensors = _getter([i for i, t in enumerate(types) if issubclass(t, torch.Tensor) and i not in fresh])
-        self.ints = _getter([i for i, t in enumerate(types) if t is int])
-
-    def key(self, args: tuple) -> tuple:
-        tensors, ints = self.tensors(args), self.ints(args)
-        # per tensor: dtype and 16-byte alignment; per integer: divisible by 16, == 1, and
-        # (for the set, per integer when not all are) within int32. Floats and bools are
-        # typed by the type pattern.
-        residues = map(_mod16, chain(ints, map(_data_ptr, tensors)))
-        return (tuple(map(_dtype_of, tensors)), tuple(map(operator.not_, residues)),
-                tuple(map(_is_one, ints)),
-                not ints or (_INT32_MIN <= min(ints) and max(ints) < _INT32_END)
-                or tuple(_INT32_MIN <= v < _INT32_END for v in ints))
-
-
-_mod16 = (15).__and__
-_is_one = (1).__eq__
+def _layout_keyer(types: tuple, fresh: set[int]):
+    """A function of a call's runtime arguments returning what Triton specialises them on,
+    for one pattern of argument types: per tensor (but the fresh ones) its dtype and whether
+    its address is 16-byte aligned; per integer whether it is divisible by 16, whether it is 1
+    and whether it is within int32. Floats and bools are typed by the pattern. Generated as
+    straight-line code: a generic loop over the arguments costs several times as much."""
+    tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor) and i not in fresh]
+    ints = [i for i, t in enumerate(types) if t is int]
+    parts = [f"a[{i}].dtype" for i in tensors]
+    parts += [f"(_data_ptr(a[{i}]) & 15) == 0" for i in tensors]
+    parts += [f"(a[{i}] & 15) == 0, a[{i}] == 1, {_INT32_MIN} <= a[{i}] < {_INT32_END}" for i in ints]
+    namespace = {"_data_ptr": _data_ptr}
+    exec(f"def key(a):\n    return ({', '.join(parts)}{',' if len(parts) == 1 else ''})\n", namespace)
+    return namespace["key"]
 
 
 class _Plan:
-    __slots__ = ("run", "function", "metadata", "tail", "meta")
+    """One specialisation's launch: ``run`` is the compiled kernel's launcher (called as
+    Triton's JITFunction.run calls it), or, where :func:`_direct_launch` applies, the C
+    launch function beneath it, with ``head`` the arguments it takes before the grid's
+    stream-independent part and ``tail`` the constexprs that complete the argument list."""
 
-    def __init__(self, run, function, metadata, tail, meta):
-        self.run, self.function, self.metadata, self.tail, self.meta = run, function, metadata, tail, meta
+    __slots__ = ("run", "function", "metadata", "tail", "meta", "direct", "head")
+
+    def __init__(self, compiled, tail, meta):
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.tail, self.meta = tail, meta
+        self.direct, self.head = _direct_launch(compiled)
+
+
+def _direct_launch(compiled) -> tuple:
+    """(C launch function, its leading arguments) for a kernel whose launcher would only
+    forward to it, or (None, None). Triton's CudaLauncher.__call__ allocates the scratch
+    buffers a kernel declares and then calls its C ``launch``; for a kernel with no scratch
+    (all of fasttrans's) that Python layer costs as much as the C launch itself. Its calling
+    convention differs between the Triton versions read (see PLANNED_VERSIONS), and any
+    other launcher class keeps the full route."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        return None, None
+    run = compiled.run
+    if (type(run) is not CudaLauncher or getattr(run, "gsan_enabled", False)
+            or run.global_scratch_size or run.profile_scratch_size):
+        return None, None
+    if _TRITON_MINOR == "3.9":
+        # launch(gx, gy, gz, stream, function, cooperative, pdl, metadata, launch_metadata,
+        #        enter_hook, exit_hook, global_scratch, profile_scratch, annotations, signature, args)
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                            compiled.packed_metadata, None, None, None, None, None,
+                            run.arg_annotations, run.kernel_signature)
+    if _TRITON_MINOR == "3.6":
+        # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+        #        metadata, launch_metadata, enter_hook, exit_hook, *args)
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            compiled.packed_metadata, None, None, None)
+    return None, None
 
 
 class Spec:
@@ -141,7 +167,7 @@ class Launcher:
                                  if params is None or not params[i].is_constexpr] if self.tuned else [])
         self.fresh = {kernel.arg_names.index(n) for n in fresh}
         self.plans: dict = {}
-        self.layouts: dict[tuple, _Layout] = {}
+        self.keyers: dict[tuple, object] = {}
         self.specs: dict[tuple, Spec] = {}
 
     def spec(self, constexprs: dict, **options) -> Spec:
@@ -159,10 +185,10 @@ class Launcher:
             self._public(grid, args, spec)
             return
         types = tuple(map(type, args))
-        layout = self.layouts.get(types)
-        if layout is None:
-            layout = self.layouts[types] = _Layout(types, self.fresh)
-        key = (spec, types, layout.key(args), self.tune_key(args), device_index)
+        keyer = self.keyers.get(types)
+        if keyer is None:
+            keyer = self.keyers[types] = _layout_keyer(types, self.fresh)
+        key = (spec, types, keyer(args), self.tune_key(args), device_index)
         plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._plan(grid, args, spec)
@@ -171,7 +197,46 @@ class Launcher:
         g1 = g[1] if len(g) > 1 else 1
         g2 = g[2] if len(g) > 2 else 1
         stream = _get_stream(device_index if device_index is not None else 0)
-        plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
+        if plan.direct is None:
+            plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
+        elif _TRITON_MINOR == "3.9":
+            plan.direct(g[0], g1, g2, stream, *plan.head, args + plan.tail)
+        else:
+            plan.direct(g[0], g1, g2, stream, *plan.head, *args, *plan.tail)
+
+    def bind(self, grid, args: tuple, spec, device_index: int | None = None) -> Callable[[tuple], None]:
+        """Launch once, as ``self(grid, args, spec, device_index)``, and return a function
+        ``launch(args)`` that launches the same compiled kernel with the same grid on new
+        arguments, skipping the key. Only for arguments that Triton would specialise
+        exactly as these (same types, dtypes, integers' classes, tensors' alignment; the
+        autotuner's key values): the caller keys the returned function by what determines
+        them. Launch hooks installed later (a profiler) still get every launch, and with
+        plans turned off every launch takes the public route."""
+        if type(spec) is not Spec:
+            spec = self.spec(spec)
+        self(grid, args, spec, device_index)
+        plan = None
+        if _PLANS and not (knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls):
+            plan = self.plans.get((spec, tuple(map(type, args)), self.keyers[tuple(map(type, args))](args),
+                                   self.tune_key(args), device_index))
+        if plan is None or plan.direct is None:
+            return lambda args: self(grid, args, spec, device_index)
+        g = grid(plan.meta) if callable(grid) else grid
+        g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
+        direct, head, tail, index = plan.direct, plan.head, plan.tail, device_index if device_index is not None else 0
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+        if _TRITON_MINOR == "3.9":
+            def launch(args):
+                if not _PLANS or enter.calls or exit_.calls:
+                    return self(grid, args, spec, device_index)
+                direct(g0, g1, g2, _get_stream(index), *head, args + tail)
+        else:
+            def launch(args):
+                if not _PLANS or enter.calls or exit_.calls:
+                    return self(grid, args, spec, device_index)
+                direct(g0, g1, g2, _get_stream(index), *head, *args, *tail)
+        return launch
 
     def _public(self, grid, args, spec: Spec):
         return self.kernel[grid](*args, **spec.constexprs, **spec.options, **LAUNCH_OPTIONS)
@@ -193,7 +258,34 @@ class Launcher:
                 tail.append(p.default)
             else:
                 raise TypeError(f"{self.jit.__name__}: no value for parameter {p.name}")
-        return _Plan(compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), meta)
+        return _Plan(compiled, tuple(tail), meta)
+
+
+# Call sites. A launch's arguments are fixed by a few properties of its inputs: shapes,
+# strides, dtypes, devices, whether each address is 16-byte aligned, and the classes of its
+# integer arguments. A launcher function keys a dict by them (``signature`` per tensor): the
+# first call with a given key runs every check and binds its launches (Launcher.bind); later
+# calls with the same key only allocate their outputs and launch.
+SITES_MAX = 4096  # keys kept per site: a dict past it starts afresh
+
+
+def signature(t: torch.Tensor | None):
+    """What a launch's arguments can depend on in one input tensor (None for an absent one)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.get_device(), _data_ptr(t) & 15
+
+
+def int_class(v: int) -> tuple:
+    """What Triton specialises an integer argument on: divisible by 16, equal to 1, within int32."""
+    return (v & 15) == 0, v == 1, _INT32_MIN <= v < _INT32_END
+
+
+def remember(sites: dict, key, value) -> None:
+    """sites[key] = value, the dict emptied first once it holds SITES_MAX keys."""
+    if len(sites) >= SITES_MAX:
+        sites.clear()
+    sites[key] = value
 
 
 def _get_stream(device_index: int):

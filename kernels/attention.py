@@ -100,7 +100,7 @@ from ._attention_configs import (
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
     DROPOUT_MASK_CONFIG, INTERPRETER_CONFIGS,
 )
-from ._launch import Launcher, Spec
+from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
@@ -878,8 +878,17 @@ _DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp3
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Read at launch time: the test suite switches the interpreter on before importing triton.
+# os.environ decodes its key and value on every read; its byte-keyed store (POSIX) sees the
+# same updates at a fraction of the cost, and this is read on every call.
+_environ_data = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_environ_data, dict):
+    _environ_data = None
+
+
 def _interpreting() -> bool:
-    # read at launch time: the test suite switches the interpreter on before importing triton
+    if _environ_data is not None:
+        return _environ_data.get(b"TRITON_INTERPRET") == b"1"
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -914,26 +923,27 @@ def _spec_for_config(spec: Spec, cfg: triton.Config) -> Spec:
 _NO_CONSTEXPRS = Spec({})
 
 
-def _run(kernel, cfg: triton.Config, grid, args, spec: Spec) -> None:
-    """Run ``kernel`` with one fixed configuration (the caller holds the device guard)."""
-    _PLAIN[kernel](grid(cfg.kwargs), args, _spec_for_config(spec, cfg), args[0].device.index)
+def _run(kernel, cfg: triton.Config, grid, args, spec: Spec):
+    """Run ``kernel`` with one fixed configuration (the caller holds the device guard);
+    returns the bound launch (Launcher.bind) for later calls of the same site."""
+    return _PLAIN[kernel].bind(grid(cfg.kwargs), args, _spec_for_config(spec, cfg), args[0].device.index)
 
 
-def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec) -> None:
-    """Run ``kernel`` with the interpreter's fixed configuration, or its GPU autotuner.
+def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec):
+    """Run ``kernel`` with the interpreter's fixed configuration, or its GPU autotuner;
+    returns the bound launch (Launcher.bind) for later calls of the same site.
 
     ``grid`` maps the launch meta-parameters (BLOCK_M, BLOCK_N) to the launch grid.
     """
     if _interpreting():
-        _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, spec)
-        return
+        return _run(kernel, INTERPRETER_CONFIGS[stage], grid, args, spec)
     q = args[0]  # every launch passes q first
     arch, precision = _gpu_arch(q.device), _precision_class(q.dtype)
     c = spec.constexprs
     cls = (_head_dim_class(c["BLOCK_D"]), _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
         spec = _spec_with(spec, INPUT_PRECISION="ieee")
-    tuned[(precision, arch, *cls)](grid, args, spec, q.device.index)
+    return tuned[(precision, arch, *cls)].bind(grid, args, spec, q.device.index)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -951,15 +961,30 @@ def _tf32_allowed() -> bool:
     torch >= 2.9 has ``torch.backends.cuda.matmul.fp32_precision`` ("tf32", "ieee", or "none":
     inherit ``torch.backends.fp32_precision``), which also reflects the legacy ``allow_tf32`` and
     ``torch.set_float32_matmul_precision``; reading the legacy flag after the new API was
-    used raises a RuntimeError there, so it is read only on an older torch.
+    used raises a RuntimeError there, so it is read only on an older torch. The settings are
+    read through the C getters behind those attributes where torch has them (a tenth of the
+    attribute's cost).
     """
-    matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", None)
-    if precision is None:
-        return bool(matmul.allow_tf32)
+    if _fp32_precision is None:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    precision = _fp32_precision("cuda", "matmul")
     if precision == "none":
-        precision = getattr(torch.backends, "fp32_precision", "none")
+        precision = _fp32_precision("generic", "all")
     return precision == "tf32"
+
+
+def _precision_getter():
+    """torch's C getter of an fp32 precision setting, or None before torch had them."""
+    if getattr(torch.backends.cuda.matmul, "fp32_precision", None) is None:
+        return None
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if getter is not None and getter("cuda", "matmul") == torch.backends.cuda.matmul.fp32_precision:
+        return getter
+    return lambda backend, op: (torch.backends.cuda.matmul.fp32_precision if backend == "cuda"
+                                else getattr(torch.backends, "fp32_precision", "none"))
+
+
+_fp32_precision = _precision_getter()
 
 
 def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
@@ -1004,37 +1029,64 @@ def _preprocess_spec(D: int, block_d: int) -> Spec:
     return Spec(dict(HEAD_DIM=D, BLOCK_D=block_d))
 
 
+def _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed) -> tuple:
+    """What the launches of one attention call depend on beyond its tensors' addresses
+    (kernels/_launch.py, "Call sites"): the seed's integer class only with dropout, the TF32
+    setting only for fp32 (read per call, as torch reads it per matmul)."""
+    dtype = q.dtype
+    return (sig(q), sig(k), sig(v), sig(attn_mask), sig(key_lengths), bool(is_causal), int(causal_offset),
+            dropout_p, int_class(int(seed)) if dropout_p > 0.0 else None,
+            input_precision(dtype) if dtype == torch.float32 else None, _interpreting())
+
+
+_FWD_SITES: dict = {}
+_BWD_SITES: dict = {}
+_INF = float("inf")
+
+
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
-    _check_dtype(q)
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    key = _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
+    site = _FWD_SITES.get(key)
+    (B, H, Lq, D), q_strides = key[0][0], key[0][1]
+    Hkv, Lk = key[1][0][1], key[1][0][2]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if Lk == 0:  # no key at all: every row is empty
-        return out.zero_(), lse.fill_(float("inf"))
-    mask, _, mstride = _mask_operand(attn_mask, q)
-    args = (
-        q, k, v, out, lse, mask, _lengths_operand(key_lengths, q),
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *out.stride()[:3],
-        *mstride,
-        H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
-        int(seed), _bucket(Lq), _bucket(Lk),
-    )
+        return out.zero_(), lse.fill_(_INF)
+    if site is None:
+        _check_dtype(q)
+        # the integers a site's key fixes: strides, sizes, dropout threshold, tuning buckets
+        mstride = _mask_operand(attn_mask, q)[2]
+        ints = (*key[1][1][:3], *key[2][1][:3], H * Lq * D, Lq * D, D, *mstride,
+                H, H // Hkv, Lq, Lk, int(causal_offset))
+        tail = (dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
+    else:
+        launch, ints, tail = site
+        if dropout_p > 0.0:
+            tail = (tail[0], int(seed), tail[2], tail[3])
+    mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    args = (q, k, v, out, lse, mask, q if key_lengths is None else _lengths_operand(key_lengths, q),
+            *q_strides[:3], *ints, float(scale), float(dropout_p), *tail)
     with on_device(q):
-        _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
+        if site is not None:
+            launch(args)
+        else:
+            launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                             args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
+            remember(_FWD_SITES, key, (launch, ints, tail))
     return out, lse
 
 
 def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
                   dropout_p, scale, seed, mask_grad):
     """Backend interface: (dq, dk, dv, dmask fp32 (B, H, Lq, Lk) or None), deterministic."""
-    _check_dtype(q)
+    key = (_site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed),
+           sig(dout), sig(out), sig(lse), bool(mask_grad))
+    launches = _BWD_SITES.get(key)
+    if launches is None:
+        _check_dtype(q)
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
@@ -1047,13 +1099,44 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     lse = lse.contiguous()
     mask, _, mstride = _mask_operand(attn_mask, q)
     kl = _lengths_operand(key_lengths, q)
-    feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
-    fc = feats.constexprs
-    buckets = (_bucket(Lq), _bucket(Lk))
 
     # per row: delta, hi and dO, times r on rows of huge scores (see the module docstring)
     hi, delta = torch.empty((2, B, H, Lq), dtype=torch.float32, device=q.device)
     dout_r = torch.empty((B, H, Lq, D), dtype=dout.dtype, device=q.device)
+    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
+              int(seed), _bucket(Lq), _bucket(Lk))
+    args = (
+        (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
+        (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
+         H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
+        (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout_r.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+         *mstride, *common),
+        (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout_r.stride()[:3], *dq.stride()[:3],
+         *mstride, *common),
+    )
+    with on_device(q):
+        if launches is not None:
+            # preprocess, exact rows, dK/dV (one launch per output group), dQ
+            pre, exact, dkdv, dq_launch = launches
+            pre(args[0])
+            exact(args[1])
+            for launch in dkdv:
+                launch(args[2])
+            dq_launch(args[3])
+        else:
+            remember(_BWD_SITES, key, _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args))
+    return dq, dk, dv, dmask
+
+
+def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
+    """The backward's launches on a site's first call: (preprocess, exact rows, dK/dV
+    launches, dQ), each run once and returned bound."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = args[2][1].shape[1], args[2][1].shape[2]
+    feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
+    fc = feats.constexprs
     if _interpreting():
         pre, exact, exact_feats = INTERPRETER_CONFIGS["preprocess"], INTERPRETER_CONFIGS["exact_rows"], feats
     else:
@@ -1063,42 +1146,17 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
         ieee = (_precision_class(q.dtype) == "fp32"
                 and (dclass, _weight(fc["MASK_KIND"], fc["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
         exact_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
-    with on_device(q):
-        _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-             (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
-             _preprocess_spec(D, fc["BLOCK_D"]))
-        _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-             (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
-              H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
-             _spec_without(exact_feats, "HAS_DROPOUT"))  # l is the undropped sum
-
-        common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
-                  int(seed), *buckets)
-        for output in _dkdv_outputs(fc["BLOCK_D"]):
-            _launch(
-                _DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
-                 *q.stride()[:3],
-                 *k.stride()[:3],
-                 *v.stride()[:3],
-                 *dout_r.stride()[:3],
-                 *dk.stride()[:3],
-                 *dv.stride()[:3],
-                 *mstride, *common),
-                _spec_with(feats, OUTPUT=output),
-            )
-        _launch(
-            _DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-            (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
-             *q.stride()[:3],
-             *k.stride()[:3],
-             *v.stride()[:3],
-             *dout_r.stride()[:3],
-             *dq.stride()[:3],
-             *mstride, *common),
-            _spec_with(feats, MASK_GRAD=bool(mask_grad)),
-        )
-    return dq, dk, dv, dmask
+    pre_launch = _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                      args[0], _preprocess_spec(D, fc["BLOCK_D"]))
+    exact_launch = _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                        args[1], _spec_without(exact_feats, "HAS_DROPOUT"))  # l is the undropped sum
+    dkdv = tuple(
+        _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
+                args[2], _spec_with(feats, OUTPUT=output))
+        for output in _dkdv_outputs(fc["BLOCK_D"]))
+    dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                        args[3], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
+    return pre_launch, exact_launch, dkdv, dq_launch
 
 
 def attention_dropout_mask(q, k, dropout_p, seed):

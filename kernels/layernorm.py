@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv, device_index, multiprocessors, next_power_of_2, on_device
-from ._launch import Launcher, Spec
+from ._launch import Launcher, Spec, remember, signature as _sig
 
 __all__ = ["norm_fwd", "norm_infer", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
@@ -559,6 +559,15 @@ def _fwd_launch(N: int, rms: bool, has_residual: bool, has_weight: bool, has_bia
     return _FWD, spec, cfg.BLOCK_M
 
 
+def _plain_vector(p: torch.Tensor | None) -> bool:
+    return p is None or (p.dim() == 1 and p.stride(0) == 1)
+
+
+# Inputs that need a copy first (a weight that is not a contiguous vector) always take the
+# first-call route of a site (see kernels/_launch.py, "Call sites").
+_FWD_SITES: dict = {}
+
+
 def norm_infer(x, residual, weight, bias, eps, rms):
     """(y, h or None, None, None): the forward without the statistics only a backward reads."""
     return norm_fwd(x, residual, weight, bias, eps, rms, stats=False)
@@ -566,24 +575,29 @@ def norm_infer(x, residual, weight, bias, eps, rms):
 
 def norm_fwd(x, residual, weight, bias, eps, rms, stats: bool = True):
     """(y, h or None, mean or None, rstd): see fasttrans.backends for the contract."""
+    key = (_sig(x), _sig(residual), _sig(weight), None if rms else _sig(bias), bool(rms), stats)
+    launch = _FWD_SITES.get(key)
     M, N = x.shape
-    _check_rows("x", x, M, N)
-    if residual is not None:
-        _check_rows("residual", residual, M, N)
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
-    weight = _vector("weight", weight, N)
-    bias = None if rms else _vector("bias", bias, N)
+    if launch is None:
+        _check_rows("x", x, M, N)
+        if residual is not None:
+            _check_rows("residual", residual, M, N)
+            if residual.dtype != x.dtype:
+                raise TypeError(f"residual: expected the dtype of x ({x.dtype}), got {residual.dtype}")
+        cached = _plain_vector(weight) and (rms or _plain_vector(bias))
+        weight = _vector("weight", weight, N)
+        bias = None if rms else _vector("bias", bias, N)
+    elif rms:
+        bias = None
 
-    device = x.device
     x_stride = x.stride(0)
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
-    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=device)
+    y = torch.empty_like(x) if x_stride == N else torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else None
     mean = rstd = None
     if stats:
-        mean = None if rms else torch.empty((M,), dtype=torch.float32, device=device)
-        rstd = torch.empty((M,), dtype=torch.float32, device=device)
+        mean = None if rms else torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     args = (
         x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
         y, y if h is None else h, mean if mean is not None else rstd if rstd is not None else y,
@@ -591,11 +605,20 @@ def norm_fwd(x, residual, weight, bias, eps, rms, stats: bool = True):
         x_stride, x_stride if residual is None else residual.stride(0), N, N,  # y and h are fresh (M, N) rows
         M, N, float(eps),
     )
+    if launch is not None:
+        with on_device(x):
+            launch(args)
+        return y, h, mean, rstd
     launcher, spec, rows = _fwd_launch(N, bool(rms), residual is not None, weight is not None, bias is not None,
                                        stats)
     with on_device(x):
-        launcher((cdiv(M, rows),), args, spec, device.index)
+        launch = launcher.bind((cdiv(M, rows),), args, spec, x.device.index)
+    if cached:
+        remember(_FWD_SITES, key, launch)
     return y, h, mean, rstd
+
+
+_BWD_SITES: dict = {}
 
 
 def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
@@ -605,32 +628,28 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
 
 
 def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
+    key = (_sig(h), _sig(dy), _sig(dh), _sig(weight), None if rms else _sig(bias),
+           None if rms else _sig(mean), _sig(rstd), bool(rms))
+    site = _BWD_SITES.get(key)
     M, N = h.shape
-    _check_rows("h", h, M, N)
-    _check_rows("dy", dy, M, N)
-    if dh is not None:
-        _check_rows("dh", dh, M, N)
-    if not rms and mean is None:
-        raise ValueError("mean: required for LayerNorm (rms=False), got None")
-    w = _vector("weight", weight, N)
-    b = None if rms else _vector("bias", bias, N)
-    mean = None if rms else mean
+    if site is not None:
+        launches, num_partials, rows_per_program = site
+        w, b, mean = weight, None if rms else bias, None if rms else mean
+    else:
+        _check_rows("h", h, M, N)
+        _check_rows("dy", dy, M, N)
+        if dh is not None:
+            _check_rows("dh", dh, M, N)
+        if not rms and mean is None:
+            raise ValueError("mean: required for LayerNorm (rms=False), got None")
+        cached = _plain_vector(weight) and (rms or _plain_vector(bias))
+        w = _vector("weight", weight, N)
+        b = None if rms else _vector("bias", bias, N)
+        mean = None if rms else mean
+        launches = None
+        num_partials, rows_per_program = _bwd_partials(h.device, M, N)
     device = h.device
     cfg = bwd_config(N)
-    sums_spec, bwd_spec, reduce_spec = _bwd_specs(N, bool(rms), w is not None, b is not None, dh is not None)
-
-    # P programs (times the column chunks when split), each owning a contiguous block of
-    # rows_per_program rows and writing one row of the (P, N) dW/dB partials
-    if cfg.split:
-        col_blocks = cdiv(N, cfg.BLOCK_N)
-        row_tiles = M
-        num_partials = min(M, max(1, _resident_programs(device, cfg.num_warps) // col_blocks))
-    else:
-        col_blocks = 1
-        row_tiles = cdiv(M, cfg.BLOCK_M)
-        num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
-    rows_per_program = cdiv(row_tiles, num_partials) * cfg.BLOCK_M
-    num_partials = cdiv(M, rows_per_program)  # no program without rows
 
     fp32 = dict(dtype=torch.float32, device=device)
     dx = torch.empty((M, N), dtype=h.dtype, device=device)
@@ -641,30 +660,48 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
         sum_dxhat_xhat = torch.empty((M,), **fp32)
         sum_dxhat = None if rms else torch.empty((M,), **fp32)
         sum_xhat = None if rms else torch.empty((M,), **fp32)
-        _BWD_ROW_SUMS(
-            (M,),
-            (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
-             h.stride(0), dy.stride(0), N),
-            sums_spec, device.index,
-        )
-    _BWD(
-        (num_partials, col_blocks),
+    dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
+    db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
+    args = (
+        (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
+         h.stride(0), dy.stride(0), N) if cfg.split else None,
         (h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
          _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
          h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
          M, N, rows_per_program),
-        bwd_spec, device.index,
+        (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N)
+        if w is not None or b is not None else None,
     )
-
-    dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
-    db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
-    if w is not None or b is not None:
-        _BWD_REDUCE(
-            (cdiv(N, reduce_spec.constexprs["BLOCK_N"]),),
-            (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N),
-            reduce_spec, device.index,
-        )
+    if launches is None:
+        # row sums (split rows only), dx with the dW/dB partials, dW/dB from the partials
+        specs = _bwd_specs(N, bool(rms), w is not None, b is not None, dh is not None)
+        grids = ((M,), (num_partials, cdiv(N, cfg.BLOCK_N) if cfg.split else 1),
+                 (cdiv(N, specs[2].constexprs["BLOCK_N"]),))
+        launches = tuple(None if a is None else launcher.bind(grid, a, spec, device.index)
+                         for launcher, grid, a, spec in zip((_BWD_ROW_SUMS, _BWD, _BWD_REDUCE), grids, args, specs))
+        if cached:
+            remember(_BWD_SITES, key, (launches, num_partials, rows_per_program))
+    else:
+        for launch, a in zip(launches, args):
+            if a is not None:
+                launch(a)
     return dx, _like(dw, weight), _like(db, bias)
+
+
+def _bwd_partials(device: torch.device, M: int, N: int) -> tuple[int, int]:
+    """(P, rows per program): P programs (times the column chunks when split), each owning
+    a contiguous block of rows_per_program rows and writing one row of the (P, N) dW/dB
+    partials."""
+    cfg = bwd_config(N)
+    if cfg.split:
+        col_blocks = cdiv(N, cfg.BLOCK_N)
+        row_tiles = M
+        num_partials = min(M, max(1, _resident_programs(device, cfg.num_warps) // col_blocks))
+    else:
+        row_tiles = cdiv(M, cfg.BLOCK_M)
+        num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
+    rows_per_program = cdiv(row_tiles, num_partials) * cfg.BLOCK_M
+    return cdiv(M, rows_per_program), rows_per_program  # no program without rows
 
 
 def _like(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:

@@ -680,12 +680,21 @@ class _RecordingTuner(dict):
         self.calls = calls
 
     def __missing__(self, key):
-        calls = self.calls
+        return _RecordingLauncher(self.calls, key)
 
-        def launch(grid, args, spec, device_index=None, **options):  # a kernels._launch.Launcher call
-            calls.append((key, spec.constexprs))
 
-        return launch
+class _RecordingLauncher:
+    """Stands in for a kernels._launch.Launcher: a launch, or the first of a bound site."""
+
+    def __init__(self, calls, key):
+        self.calls, self.key = calls, key
+
+    def __call__(self, grid, args, spec, device_index=None, **options):
+        self.calls.append((self.key, spec.constexprs))
+
+    def bind(self, grid, args, spec, device_index=None):
+        self(grid, args, spec, device_index)
+        return lambda args: None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -700,6 +709,9 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     for name in ("_FWD_TUNED", "_DKDV_TUNED", "_DQ_TUNED"):
         monkeypatch.setattr(K, name, _RecordingTuner(calls))
     monkeypatch.setattr(K, "_run", lambda *a, **k: None)  # the preprocess kernel
+    # every call its site's first, so that it looks its launcher up (the arch is not keyed)
+    monkeypatch.setattr(K, "_FWD_SITES", {})
+    monkeypatch.setattr(K, "_BWD_SITES", {})
     cases = [(torch.float32, 64, {}), (torch.float32, 256, {}), (torch.float32, 128, {"dropout_p": 0.1}),
              (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1})]
     for dtype, D, extra in cases:

@@ -29,25 +29,43 @@ from benchmarks import standin_cuda
 standin_cuda.activate()
 
 import torch
+import triton
 from triton.backends.nvidia import driver as nvidia
 import fasttrans
 from fasttrans.kernels import _launch as launch
+from fasttrans.kernels import attention as kernels_attention
 
 assert launch.plans_enabled()
 launches = []
-real_call = nvidia.CudaLauncher.__call__
+# What reaches Triton's C launch function, recorded by wrapping it in every launcher Triton
+# makes: plans call it directly (kernels/_launch.py), the public route through
+# CudaLauncher.__call__. The launch metadata and hooks are left out: the public route always
+# passes Triton's (empty) hook chains, plans pass None while no hook is installed.
+minor = ".".join(triton.__version__.split(".")[:2])
+unhooked = {"3.9": (8, 9, 10), "3.6": (10, 11, 12)}[minor]
+real_init = nvidia.CudaLauncher.__init__
 
 
-def recording(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
-    def describe(a):
-        if isinstance(a, torch.Tensor):  # fresh outputs differ in address from call to call
-            return ("tensor", a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16 == 0)
-        return a
-    launches.append((id(self), (gx, gy, gz), metadata, tuple(describe(a) for a in args)))
-    return real_call(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args)
+def describe(a):
+    if isinstance(a, torch.Tensor):  # fresh outputs differ in address from call to call
+        return ("tensor", a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16 == 0)
+    if isinstance(a, tuple):
+        return tuple(describe(x) for x in a)
+    return a
 
 
-nvidia.CudaLauncher.__call__ = recording
+def recording_init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    c_launch = self.launch
+
+    def launch(*args):
+        launches.append((id(self), tuple(describe(a) for i, a in enumerate(args) if i not in unhooked)))
+        return c_launch(*args)
+
+    self.launch = launch
+
+
+nvidia.CudaLauncher.__init__ = recording_init
 
 
 def record(call):
@@ -74,6 +92,9 @@ r = torch.randn(6, 1000, requires_grad=True)
 w = torch.randn(1000, requires_grad=True)
 b = torch.randn(1000, requires_grad=True)
 wide = torch.randn(3, 20000, requires_grad=True)
+# x's shape and strides at an address 4 bytes past alignment: bound launches are keyed by it
+q_shifted = torch.randn(q.numel() + 1)[1:].view(q.shape).requires_grad_()
+shifted = torch.randn(6 * 1000 + 1)[1:].view(6, 1000).requires_grad_()
 
 cases = {
     "attention": grad_of(lambda: fasttrans.attention(q, k, v), q, k, v),
@@ -84,11 +105,16 @@ cases = {
     "attention dropout": grad_of(lambda: fasttrans.attention(q, k, v, dropout_p=0.25), q, k, v),
     "attention strided q": grad_of(lambda: fasttrans.attention(q.transpose(1, 2).contiguous().transpose(1, 2),
                                                                k, v), q, k, v),
+    "attention unaligned q": grad_of(lambda: fasttrans.attention(q_shifted, k, v), q_shifted, k, v),
+    # the seed is an integer argument Triton specialises (divisible by 16, equal to 1)
+    "attention seed classes": lambda: [kernels_attention.attention_fwd(q, k, v, None, None, False, 0, 0.25, 0.125, s)
+                                       for s in (16, 17, 1, 48)],
     "layer_norm": grad_of(lambda: fasttrans.layer_norm(x, 1000, w, b), x, w, b),
     "add_layer_norm": grad_of(lambda: fasttrans.add_layer_norm(x, r, w, b)[1], x, r, w),
     "rms_norm": grad_of(lambda: fasttrans.rms_norm(x, 1000, w), x, w),
     "layer_norm split rows": grad_of(lambda: fasttrans.layer_norm(wide, 20000), wide),
     "layer_norm unaligned rows": grad_of(lambda: fasttrans.layer_norm(x[:, 1:], 999, w[1:], b[1:]), x, w),
+    "layer_norm unaligned base": grad_of(lambda: fasttrans.layer_norm(shifted, 1000, w, b), shifted, w, b),
     "dropout": grad_of(lambda: fasttrans.functional.dropout(x, 0.3), x),
 }
 with fasttrans.use_backend("triton"):
@@ -115,7 +141,7 @@ def test_planned_launches_match_tritons_own():
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], capture_output=True, text=True, env=env,
                           timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.stdout.count("launches agree") == 13, proc.stdout
+    assert proc.stdout.count("launches agree") == 16, proc.stdout
 
 
 def test_plans_are_off_under_the_interpreter():
