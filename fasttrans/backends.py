@@ -60,7 +60,7 @@ import dataclasses
 import importlib
 import os
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.library import custom_op, register_autograd, register_fake
@@ -97,12 +97,14 @@ class BackendUnavailableError(RuntimeError):
 _auto_selection: dict[tuple, "Backend"] = {}
 _forced_selection: dict[tuple, "Backend"] = {}  # forced backends that passed their checks
 _eager_routes: dict[tuple[str, str], tuple] = {}  # see eager_route
+_selected_routes: dict[tuple, tuple] = {}  # see selected_route
 
 
 def _backends_changed() -> None:
     _auto_selection.clear()
     _forced_selection.clear()
     _eager_routes.clear()
+    _selected_routes.clear()
 
 
 def reference_impl():
@@ -299,21 +301,29 @@ _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fasttrans_
 _warned: set[tuple[str, str]] = set()
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
+class use_backend(contextlib.ContextDecorator):
     """Force every fasttrans op inside the block to run on backend ``name``.
 
     ``None`` selects automatically inside the block, whatever FASTTRANS_BACKEND says. A
     forced backend that cannot run an op raises
-    BackendUnavailableError saying why; it never falls back silently.
+    BackendUnavailableError saying why; it never falls back silently. Usable as a context
+    manager or a decorator; entering it is cheap enough to wrap a single small call (a class,
+    not a generator-based context manager, which costs several times as much).
     """
-    if name is not None:
-        get_backend(name)
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
+
+    __slots__ = ("name", "_tokens")
+
+    def __init__(self, name: str | None):
+        if name is not None:
+            get_backend(name)
+        self.name = name
+        self._tokens: list = []  # one per nested entry of this same object
+
+    def __enter__(self) -> None:
+        self._tokens.append(_forced.set(self.name))
+
+    def __exit__(self, *exc) -> None:
+        _forced.reset(self._tokens.pop())
 
 
 def mask_helpers() -> tuple | None:
@@ -724,6 +734,22 @@ def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Fun
         function = _eager_function(name, kind, forward, *formulas[kind])
         infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
         route = _eager_routes[(name, kind)] = (forward if infer is None else infer, function)
+    return route
+
+
+def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(name, forward, function): the backend :func:`select_backend` selects for ``kind`` on
+    (device, dtype) and its :func:`eager_route`, in one lookup per call (both are asked on
+    every eager call). Memoised under the same key as the selection, with the environment
+    variables that selection reads."""
+    forced = _forced.get()
+    if forced is _FROM_ENV:
+        forced = _getenv("FASTTRANS_BACKEND", b"FASTTRANS_BACKEND") or None
+    key = (forced, kind, device, dtype, forced and _getenv("TRITON_INTERPRET", b"TRITON_INTERPRET"))
+    route = _selected_routes.get(key)
+    if route is None:
+        name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised
+        route = _selected_routes[key] = (name, *eager_route(name, kind))
     return route
 
 

@@ -51,8 +51,7 @@ _STRIDED = torch.strided
 MAX_HEAD_DIM = 256
 
 
-def _is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+_is_compiling = torch.compiler.is_compiling
 
 
 def _check_tensor(name: str, t, ndim: int | None = None) -> None:
@@ -101,22 +100,19 @@ def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple
     one of grad_inputs needs a gradient. Absent outputs come back as None or empty tensors."""
     if _is_compiling():
         return backends.forward_op(_selected_backend(kind, str(device), dtype), kind)(*args)
-    name = backends.select_backend(kind, device, dtype).name
+    name, forward, function = backends.selected_route(kind, device, dtype)
     # Under torch.func.vmap a batched input reports requires_grad=False even when the
     # tensor it wraps needs a gradient: only the op's own autograd kernel sees the truth.
-    eager = _dispatch_stack_len is not None and _functorch.maybe_current_level() is None and not _dispatch_stack_len()
-    needs_grad = False
-    if eager:
-        grad = _grad_enabled()
-        for t in grad_inputs:
-            if t is not None:
-                if type(t) not in _PLAIN_TENSORS:
-                    eager = False
-                    break
-                needs_grad = needs_grad or (grad and t.requires_grad)
-    if not eager:
+    if _dispatch_stack_len is None or _functorch.maybe_current_level() is not None or _dispatch_stack_len():
         return backends.forward_op(name, kind)(*args)
-    forward, function = backends.eager_route(name, kind)
+    needs_grad = False
+    grad = _grad_enabled()
+    for t in grad_inputs:
+        if t is not None:
+            if type(t) not in _PLAIN_TENSORS:
+                return backends.forward_op(name, kind)(*args)
+            if grad and t.requires_grad:
+                needs_grad = True
     return function.apply(*args) if needs_grad else forward(*args)
 
 
@@ -291,7 +287,8 @@ def _prepare_attention(q, k, v, attn_mask, key_lengths, scale):
     """Canonical operands for the backend interface (see fasttrans.backends)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    q, k, v = (backends.last_dim_unit_stride(t) for t in (q, k, v))
+    unit = backends.last_dim_unit_stride
+    q, k, v = unit(q), unit(k), unit(v)
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in (q.dtype, torch.float32):
             attn_mask = attn_mask.to(q.dtype)
@@ -347,18 +344,23 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
     Not for users: invalid arguments here are not reported."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
         return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
-    causal_offset = _causal_offset(causal_offset, q, k)
-    q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    Lq, D = q.shape[2:]
+    # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
+    # or below none sees any), in the int64 range the ops take
+    causal_offset = max(-Lq, min(causal_offset, k.shape[2]))
+    if attn_mask is None and key_lengths is None and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1:
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)  # nothing else to prepare
+    else:
+        q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
     # empty outputs (no batch, head or query) need no kernel; the reference's PyTorch ops
     # give them, and their (zero) gradients, for any input shape
-    if (q.numel() == 0 or _on_reference_for_head_dim(q.shape[-1])
+    if (q.numel() == 0 or _on_reference_for_head_dim(D)
             or _on_reference_under_transform("attention", q, k, v, attn_mask)):
         return backends.reference_impl().attention_fwd(
-            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, _draw_seed(dropout_p)
-        )[0]
-    out, _lse = _run("attention", q.device, q.dtype, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal, causal_offset,
-                      float(dropout_p), scale, _draw_seed(dropout_p))
-    return out
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)[0]
+    return _run("attention", q.device, q.dtype, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal,
+                causal_offset, float(dropout_p), scale, seed)[0]
 
 
 def attention_dropout_mask(
