@@ -6,7 +6,8 @@ the active one with device 0, stream 0 and an sm_90 target. Kernels then compile
 (ptxas runs; nothing executes) and every launch runs all of its host-side code: fasttrans's
 checks and glue, Triton's binder, cache lookup and C launcher. Tensors stay on the CPU and
 their pointers pass through as device pointers, so outputs hold garbage: this measures host
-cost only.
+cost only (subnormal floats are flushed to zero in this process, so that CPU ops reading
+that garbage take their usual time).
 
 fasttrans's Triton backend is told it may take CPU tensors (its check refuses them without
 the interpreter), and the Triton autotuners time every configuration as equal, so each picks
@@ -62,6 +63,11 @@ def activate() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
+
+    # Outputs hold whatever memory they were given; where that reads as subnormal floats, the
+    # CPU ops that consume them (a layer's next matmul) run many times slower. Flushing
+    # subnormals keeps the time of those ops independent of the garbage.
+    torch.set_flush_denormal(True)
 
     driver = CudaDriver()
     driver.get_current_device = lambda: 0

@@ -706,23 +706,54 @@ def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_output
 # autograd.Function holding the formulas register_autograd gives the op, whose backward
 # calls the implementation's backward directly too. torch.compile, torch.func transforms,
 # dispatch modes and tensor subclasses keep calling the registered ops.
-def _eager_function(name: str, kind: str, forward_impl, setup_context, backward) -> type[torch.autograd.Function]:
+#
+# The autograd.Function returns only the outputs a caller can use (attention: out; norm: y,
+# and h with a residual; dropout: y) and keeps the statistics (lse, mean, rstd, the keep
+# mask) on its context: autograd's bookkeeping costs microseconds per output. ``call``
+# puts its result back in the op's output structure, the unused outputs as None.
+_USED_OUTPUTS = {
+    "attention": lambda args, out: (out, None),
+    "norm": lambda args, out: (*out, None, None) if args[1] is not None else (out, None, None, None),
+    "dropout": lambda args, out: (out, None),
+}
+
+
+def _eager_function(name: str, kind: str, forward_impl, setup_context, backward) -> Callable:
+    with_residual = kind == "norm"
+
     def forward(ctx, *inputs):
         output = forward_impl(*inputs)
         setup_context(ctx, inputs, output)
-        return output
+        if with_residual and inputs[1] is not None:
+            return output[0], output[1]
+        return output[0]
 
-    return type(f"{kind}_fwd_{name}_eager", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    def backward_used(ctx, *grads):
+        # the gradients of the outputs returned, then None for the statistics
+        return backward(ctx, *grads, *(None,) * (_OP_OUTPUTS[kind] - len(grads)))
+
+    function = type(f"{kind}_fwd_{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_used)})
+    apply, used = function.apply, _USED_OUTPUTS[kind]
+
+    def call(*args):
+        return used(args, apply(*args))
+
+    call.function = function
+    return call
 
 
-def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Function]]:
-    """(forward, function) of backend ``name``'s ``kind`` op ("attention", "norm",
-    "dropout") for eager calls: its implementation's forward (its ``<kind>_infer`` where it
-    has one), called as it is when nothing needs a gradient, and an autograd.Function
-    applying the forward with the op's gradient formulas.
-    Both take the registered forward op's arguments; absent outputs come back as None where
-    the op returns empty tensors."""
+_OP_OUTPUTS = {"attention": 2, "norm": 4, "dropout": 2}
+
+
+def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
+    """(forward, call) of backend ``name``'s ``kind`` op ("attention", "norm", "dropout")
+    for eager calls: its implementation's forward (its ``<kind>_infer`` where it has one),
+    called as it is when nothing needs a gradient, and a function applying the forward
+    through an autograd.Function (``call.function``) with the op's gradient formulas.
+    Both take the registered forward op's arguments and return its outputs, absent ones
+    (and, from ``call``, the statistics only a backward reads) as None where the op
+    returns empty tensors."""
     route = _eager_routes.get((name, kind))
     if route is None:
         impl = BACKENDS[name].impl()
@@ -731,9 +762,9 @@ def eager_route(name: str, kind: str) -> tuple[Callable, type[torch.autograd.Fun
             methods = [_below_autograd(m) for m in methods]
         formulas = _autograd_formulas(name, *methods[1::2])
         forward = methods[("attention", "norm", "dropout").index(kind) * 2]
-        function = _eager_function(name, kind, forward, *formulas[kind])
+        call = _eager_function(name, kind, forward, *formulas[kind])
         infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
-        route = _eager_routes[(name, kind)] = (forward if infer is None else infer, function)
+        route = _eager_routes[(name, kind)] = (forward if infer is None else infer, call)
     return route
 
 

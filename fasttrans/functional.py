@@ -113,7 +113,7 @@ def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple
                 return backends.forward_op(name, kind)(*args)
             if grad and t.requires_grad:
                 needs_grad = True
-    return function.apply(*args) if needs_grad else forward(*args)
+    return function(*args) if needs_grad else forward(*args)
 
 
 # torch.func transforms and forward-mode AD. The ops' autograd is registered with

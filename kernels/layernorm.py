@@ -653,15 +653,21 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
 
     fp32 = dict(dtype=torch.float32, device=device)
     dx = torch.empty((M, N), dtype=h.dtype, device=device)
-    dw_partial = torch.empty((num_partials, N), **fp32) if w is not None else None
-    db_partial = torch.empty((num_partials, N), **fp32) if b is not None else None
+    # With one partial row and fp32 parameters the partials are dW and dB themselves: no
+    # reduction launch (the decoding and small-batch case)
+    direct = num_partials == 1 and (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
+    dw_partial = None if w is None else torch.empty((N,) if direct else (num_partials, N), **fp32)
+    db_partial = None if b is None else torch.empty((N,) if direct else (num_partials, N), **fp32)
     sum_dxhat_xhat = sum_dxhat = sum_xhat = None
     if cfg.split:
         sum_dxhat_xhat = torch.empty((M,), **fp32)
         sum_dxhat = None if rms else torch.empty((M,), **fp32)
         sum_xhat = None if rms else torch.empty((M,), **fp32)
-    dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
-    db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
+    if direct:
+        dw, db = dw_partial, db_partial
+    else:
+        dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
+        db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
     args = (
         (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
          h.stride(0), dy.stride(0), N) if cfg.split else None,
@@ -670,7 +676,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
          h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
          M, N, rows_per_program),
         (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N)
-        if w is not None or b is not None else None,
+        if not direct and (w is not None or b is not None) else None,
     )
     if launches is None:
         # row sums (split rows only), dx with the dW/dB partials, dW/dB from the partials

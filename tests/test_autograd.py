@@ -45,7 +45,7 @@ def _both_routes(backend: str, kind: str, args: list, n_outputs_used: int, grads
     with torch.no_grad():
         plain = forward(*args)[:n_outputs_used]
     results = []
-    for route in (op, function.apply):
+    for route in (op, function):
         leaves = _leaves(*[a if isinstance(a, torch.Tensor) else None for a in args])
         call_args = [leaf if isinstance(a, torch.Tensor) else a for a, leaf in zip(args, leaves)]
         outputs = route(*call_args)
