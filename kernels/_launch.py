@@ -225,17 +225,18 @@ class Launcher:
         g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
         direct, head, tail, index = plan.direct, plan.head, plan.tail, device_index if device_index is not None else 0
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        stream_of = triton.runtime.driver.active.get_current_stream  # the driver that compiled the kernel
 
         if _TRITON_MINOR == "3.9":
             def launch(args):
                 if not _PLANS or enter.calls or exit_.calls:
                     return self(grid, args, spec, device_index)
-                direct(g0, g1, g2, _get_stream(index), *head, args + tail)
+                direct(g0, g1, g2, stream_of(index), *head, args + tail)
         else:
             def launch(args):
                 if not _PLANS or enter.calls or exit_.calls:
                     return self(grid, args, spec, device_index)
-                direct(g0, g1, g2, _get_stream(index), *head, *args, *tail)
+                direct(g0, g1, g2, stream_of(index), *head, *args, *tail)
         return launch
 
     def _public(self, grid, args, spec: Spec):

@@ -1082,13 +1082,14 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
 def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
                   dropout_p, scale, seed, mask_grad):
     """Backend interface: (dq, dk, dv, dmask fp32 (B, H, Lq, Lk) or None), deterministic."""
-    key = (_site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed),
-           sig(dout), sig(out), sig(lse), bool(mask_grad))
-    launches = _BWD_SITES.get(key)
-    if launches is None:
+    lse = lse.contiguous()
+    head = _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
+    key = (head, sig(dout), sig(out), sig(lse), bool(mask_grad))
+    site = _BWD_SITES.get(key)
+    if site is None:
         _check_dtype(q)
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    B, H, Lq, D = head[0][0]
+    Hkv, Lk = head[1][0][1], head[1][0][2]
     dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, Hkv, Lk, D), dtype=v.dtype, device=v.device)
@@ -1096,28 +1097,36 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
     dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if mask_grad else None
     if Lk == 0:
         return dq.zero_(), dk, dv, dmask
-    lse = lse.contiguous()
-    mask, _, mstride = _mask_operand(attn_mask, q)
-    kl = _lengths_operand(key_lengths, q)
-
-    # per row: delta, hi and dO, times r on rows of huge scores (see the module docstring)
-    hi, delta = torch.empty((2, B, H, Lq), dtype=torch.float32, device=q.device)
+    mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
+    # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
+    hi, delta = torch.empty((2, B, H, Lq), dtype=torch.float32, device=q.device).unbind(0)
     dout_r = torch.empty((B, H, Lq, D), dtype=dout.dtype, device=q.device)
-    common = (H, H // Hkv, Lq, Lk, int(causal_offset), float(scale), float(dropout_p), dropout_threshold(dropout_p),
-              int(seed), _bucket(Lq), _bucket(Lk))
+    if site is None:
+        # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
+        contiguous = (H * Lq * D, Lq * D, D)
+        qs, ks, vs = head[0][1][:3], head[1][1][:3], head[2][1][:3]
+        mstride = _mask_operand(attn_mask, q)[2]
+        sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
+        kv_contiguous = (Hkv * Lk * D, Lk * D, D)
+        ints = ((*key[2][1][:3], *key[1][1][:3], H, Lq),
+                (*qs, *ks, *mstride, *sizes),
+                (*qs, *ks, *vs, *contiguous, *kv_contiguous, *kv_contiguous, *mstride, *sizes),
+                (*qs, *ks, *vs, *contiguous, *contiguous, *mstride, *sizes))
+        tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
+    else:
+        launches, ints, tail = site
+        if dropout_p > 0.0:
+            tail = (*tail[:2], int(seed), *tail[3:])
+    scale = float(scale)
     args = (
-        (out, dout, lse, dout_r, hi, delta, *out.stride()[:3], *dout.stride()[:3], H, Lq),
-        (q, k, lse, mask, kl, dout_r, hi, delta, *q.stride()[:3], *k.stride()[:3], *mstride,
-         H, H // Hkv, Lq, Lk, int(causal_offset), float(scale)),
-        (q, k, v, dout_r, hi, delta, dk, dv, mask, kl,
-         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout_r.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-         *mstride, *common),
-        (q, k, v, dout_r, hi, delta, dq, dmask if mask_grad else q, mask, kl,
-         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout_r.stride()[:3], *dq.stride()[:3],
-         *mstride, *common),
+        (out, dout, lse, dout_r, hi, delta, *ints[0]),
+        (q, k, lse, mask, kl, dout_r, hi, delta, *ints[1], scale),
+        (q, k, v, dout_r, hi, delta, dk, dv, mask, kl, *ints[2], scale, *tail),
+        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, kl, *ints[3], scale, *tail),
     )
     with on_device(q):
-        if launches is not None:
+        if site is not None:
             # preprocess, exact rows, dK/dV (one launch per output group), dQ
             pre, exact, dkdv, dq_launch = launches
             pre(args[0])
@@ -1126,7 +1135,8 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
                 launch(args[2])
             dq_launch(args[3])
         else:
-            remember(_BWD_SITES, key, _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args))
+            launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
+            remember(_BWD_SITES, key, (launches, ints, tail))
     return dq, dk, dv, dmask
 
 
