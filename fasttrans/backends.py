@@ -734,7 +734,7 @@ def _eager_function(name: str, kind: str, forward_impl, setup_context, backward)
 
     function = type(f"{kind}_fwd_{name}_eager", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_used)})
-    apply, used = function.apply, _USED_OUTPUTS[kind]
+    apply, used = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply, _USED_OUTPUTS[kind]
 
     def call(*args):
         return used(args, apply(*args))
@@ -744,6 +744,11 @@ def _eager_function(name: str, kind: str, forward_impl, setup_context, backward)
 
 
 _OP_OUTPUTS = {"attention": 2, "norm": 4, "dropout": 2}
+# autograd.Function.apply's C implementation, called without the Python preamble of
+# Function.apply (a third of its host cost), which binds default arguments for functions
+# with a separate setup_context and unwraps torch.func's dead wrappers: the eager functions
+# define forward(ctx, ...) and run only while no torch.func transform is active.
+_C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 
 
 def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
