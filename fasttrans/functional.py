@@ -153,6 +153,8 @@ def _under_autodiff_transform(*tensors) -> bool:
 
 def _on_reference_under_transform(op: str, *tensors) -> bool:
     """Whether ``op`` on these inputs runs on the reference because a transform differentiates them."""
+    if _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0:
+        return False  # the common case, without a call
     if not _under_autodiff_transform(*tensors):
         return False
     _fall_back_to_reference(op, f"{op} under torch.func.grad/jacrev/jvp/jacfwd or forward-mode AD",
@@ -541,11 +543,12 @@ def _param(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 def _norm(x, residual, weight, bias, eps, rms, n):
     rows = x.dim() == 2 and x.shape[1] == n  # x is its own (M, N) view
+    dtype = x.dtype
     y, h, _mean, _rstd = _run(
-        "norm", x.device, x.dtype, (x, residual, weight, bias),
+        "norm", x.device, dtype, (x, residual, weight, bias),
         x if rows and x.stride(1) == 1 else _rows(x, n), None if residual is None else _rows(residual, n),
-        weight if weight is None or (weight.dim() == 1 and weight.dtype == x.dtype) else _param(weight, x),
-        bias if bias is None or (bias.dim() == 1 and bias.dtype == x.dtype) else _param(bias, x),
+        weight if weight is None or (weight.dtype == dtype and weight.dim() == 1) else _param(weight, x),
+        bias if bias is None or (bias.dtype == dtype and bias.dim() == 1) else _param(bias, x),
         float(eps), rms,
     )
     if residual is None:
@@ -570,7 +573,7 @@ def layer_norm(
         return reference.layer_norm(x, shape, weight, bias, eps)
     if _on_reference_under_transform("layer_norm", x, weight, bias):
         return reference.layer_norm(x, shape, weight, bias, eps)
-    return _norm(x, None, weight, bias, eps, False, math.prod(shape))[0]
+    return _norm(x, None, weight, bias, eps, False, shape[0] if len(shape) == 1 else math.prod(shape))[0]
 
 
 def add_layer_norm(
@@ -615,7 +618,7 @@ def rms_norm(
         return reference.rms_norm(x, shape, weight, eps)
     if _on_reference_under_transform("rms_norm", x, weight):
         return reference.rms_norm(x, shape, weight, eps)
-    return _norm(x, None, weight, None, eps, True, math.prod(shape))[0]
+    return _norm(x, None, weight, None, eps, True, shape[0] if len(shape) == 1 else math.prod(shape))[0]
 
 
 # --------------------------------------------------------------------------------------
