@@ -522,7 +522,7 @@ void norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tenso
         // pass 1, per row: mean(g) and mean(g * xhat) with g = dy * w, xhat = (h - mean) * rstd.
         // LayerNorm also takes mean(xhat), 0 in exact arithmetic: the stored mean's rounding
         // error shifts every xhat by it, and dx is taken with xhat - mean(xhat) (see norm_bwd
-        // in fasttrans/backends.py for the error this removes). dw keeps the shifted xhat, as
+        // in fasttrans/backends/__init__.py for the error this removes). dw keeps the shifted xhat, as
         // torch's does: there the shift is a relative error of δ·rstd with no cancellation
         // to magnify it, and leaving it out of pass 2 keeps that pass's loads as they were.
         for (int64_t r = 0; r < G; ++r) {

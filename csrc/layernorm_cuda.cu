@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) norm_bwd_rows_kernel(int
     const T* hr = h + row * ldh;
     const T* dyr = dy + row * N;
     // mean(xhat) is 0 in exact arithmetic; the stored mean's rounding shifts every xhat by
-    // it, and it is subtracted (see norm_bwd in fasttrans/backends.py for the error removed)
+    // it, and it is subtracted (see norm_bwd in fasttrans/backends/__init__.py for the error removed)
     float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
     for (int64_t k = threadIdx.x; k < N; k += kThreads) {
       const float xh = (to_float(hr[k]) - mu) * rs;

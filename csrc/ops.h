@@ -1,6 +1,6 @@
 // The extension's op entry points (tensor-level), one namespace per device.
 //
-// Schemas (registration.cpp) and semantics: the backend interface in fasttrans/backends.py.
+// Schemas (registration.cpp) and semantics: the backend interface in fasttrans/backends/__init__.py.
 // Absent optional outputs are returned as empty tensors of shape (0,).
 #pragma once
 

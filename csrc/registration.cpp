@@ -1,6 +1,6 @@
 // The extension's torch.library schemas and their CPU kernels.
 //
-// fasttrans/backends.py adds the fake (meta) implementations and autograd in Python, so
+// fasttrans/backends/registration.py adds the fake (meta) implementations and autograd in Python, so
 // only the schemas and the device kernels live here. The CUDA kernels are registered by
 // cuda_binding.cpp, which is compiled only when torch has CUDA.
 #include <torch/library.h>

@@ -436,7 +436,7 @@ def _norm_bwd_kernel(
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
             # mean(xhat) is 0 in exact arithmetic: the stored mean's rounding shifts every
-            # xhat by it, and it is subtracted (see norm_bwd in fasttrans/backends.py)
+            # xhat by it, and it is subtracted (see norm_bwd in fasttrans/backends/__init__.py)
             if SPLIT:
                 mean_xhat = tl.load(SUM_XHAT + rows, mask=row_mask, other=0.0) / N
             else:

@@ -245,7 +245,7 @@ def test_calls_under_vmap_record_the_gradient_of_a_batched_input():
 @pytest.fixture
 def _quiet_second_order(monkeypatch):
     # the one-time warning is tested on its own below
-    monkeypatch.setattr(backends, "_double_backward_warned", {"attention", "norm"})
+    monkeypatch.setattr(backends.autograd, "_double_backward_warned", {"attention", "norm"})
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
 
 
@@ -388,7 +388,7 @@ def test_second_order_gradients_of_a_forced_kernel_backend_raise(monkeypatch, ba
 
 
 def test_second_order_fallback_warns_once(monkeypatch):
-    monkeypatch.setattr(backends, "_double_backward_warned", set())
+    monkeypatch.setattr(backends.autograd, "_double_backward_warned", set())
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
     x = torch.randn(3, 16, dtype=f64, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="norm's backward with create_graph=True"):

@@ -29,13 +29,13 @@ def _runs_anywhere(monkeypatch, *names):
 @pytest.fixture(autouse=True)
 def _automatic(monkeypatch):
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(backends.registry, "_warned", set())
 
 
 def test_preference_order_per_device():
-    assert backends._preference(CUDA) == ("triton", "extension", "reference")
+    assert backends.registry._preference(CUDA) == ("triton", "extension", "reference")
     # Triton on CPU is its interpreter: never chosen automatically
-    assert backends._preference(CPU) == ("extension", "reference")
+    assert backends.registry._preference(CPU) == ("extension", "reference")
 
 
 @pytest.mark.parametrize("op", backends.OPS)

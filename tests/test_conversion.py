@@ -139,15 +139,21 @@ def test_unsupported_modules_are_left_alone_and_reported():
 
 @pytest.fixture
 def seen(monkeypatch):
-    """The forced backend (or None) at each backend selection, in call order."""
+    """The forced backend (or None) at each backend selection, in call order: the eager
+    route's (backends.selected_route) and any other (backends.select_backend)."""
     calls = []
-    select = backends.select_backend
+    select, route = backends.select_backend, backends.selected_route
 
-    def spy(op, device, dtype=None):
+    def spy_select(op, device, dtype=None):
         calls.append(backends.current_forced_backend())
         return select(op, device, dtype)
 
-    monkeypatch.setattr(backends, "select_backend", spy)
+    def spy_route(kind, device, dtype):
+        calls.append(backends.current_forced_backend())
+        return route(kind, device, dtype)
+
+    monkeypatch.setattr(backends, "select_backend", spy_select)
+    monkeypatch.setattr(backends, "selected_route", spy_route)
     return calls
 
 

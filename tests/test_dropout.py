@@ -1,7 +1,7 @@
 """Elementwise dropout: the op contract on every backend, fasttrans.functional.dropout and
 fasttrans.nn.Dropout.
 
-The contract (fasttrans/backends.py): keep is a function of (seed, flat index) with
+The contract (fasttrans/backends/__init__.py): keep is a function of (seed, flat index) with
 P(keep) = 1 - p; y = x * keep * scale with scale = 1/(1-p) rounded to fp32 (fp64 for fp64
 inputs), the product in that precision, rounded once; backward is dy * keep * scale from
 the saved mask. The extension's mask is also checked bit for bit against Philox4x32-10

@@ -548,7 +548,7 @@ def test_use_backend_none_selects_automatically_over_the_env_var(monkeypatch):
     monkeypatch.setenv("FASTTRANS_BACKEND", "reference")
     with fasttrans.use_backend(None):
         assert backends.current_forced_backend() is None
-        assert backends.select_backend("norm", "cpu").name == backends._select_automatic(
+        assert backends.select_backend("norm", "cpu").name == backends.registry._select_automatic(
             "norm", torch.device("cpu"), None).name
         with fasttrans.use_backend("extension"):
             assert backends.current_forced_backend() == "extension"
@@ -559,7 +559,7 @@ def test_use_backend_none_selects_automatically_over_the_env_var(monkeypatch):
 def test_forced_backend_that_cannot_run_raises_with_reason(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(backends.BACKENDS, "triton", backends.Backend(
-        "triton", backends._load_triton, backends._triton_check))
+        "triton", backends.registry._load_triton, backends.registry._triton_check))
     q, k, v = _qkv()
     with fasttrans.use_backend("triton"):
         with pytest.raises(backends.BackendUnavailableError, match="interpreter"):
@@ -596,7 +596,7 @@ def test_automatic_fallback_warns_once(monkeypatch):
     broken = backends.Backend("extension", lambda: (_ for _ in ()).throw(OSError("compiler missing")),
                               lambda device: None)
     monkeypatch.setitem(backends.BACKENDS, "extension", broken)
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(backends.registry, "_warned", set())
     q, k, v = _qkv()
     with pytest.warns(RuntimeWarning, match="compiler missing"):
         fasttrans.attention(q, k, v)
@@ -620,7 +620,7 @@ def test_automatic_selection_is_memoised_until_a_backend_changes(monkeypatch):
         return "switched off for this test"
 
     # a replaced registry entry is seen by the next call
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(backends.registry, "_warned", set())
     off = backends.Backend("extension", backends.BACKENDS["extension"]._load, check)
     monkeypatch.setitem(backends.BACKENDS, "extension", off)
     with pytest.warns(RuntimeWarning, match="switched off for this test"):
@@ -661,7 +661,7 @@ def test_automatic_selection_skips_a_backend_without_kernels_for_the_dtype(monke
     # one-time warning; float32 stays on the preferred backend
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
     monkeypatch.setattr(backends.BACKENDS["extension"], "fp64_devices", ())
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(backends.registry, "_warned", set())
     q, k, v = _qkv(dtype=torch.float64)
     x = torch.randn(3, 8, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="no float64 kernels on cpu"):

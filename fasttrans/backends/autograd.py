@@ -1,0 +1,258 @@
+"""Autograd for the backends' ops: the formulas torch.library registers for each forward
+op, second-order gradients through the reference, and the eager route that calls a
+backend's implementation directly (see fasttrans.functional)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from .. import reference
+from .registry import (
+    _FROM_ENV,
+    BACKENDS,
+    BackendUnavailableError,
+    _dependent_memos,
+    _forced,
+    _getenv,
+    current_forced_backend,
+    select_backend,
+)
+
+
+def last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its innermost stride is 1 (every kernel takes the other strides as they
+    are), else a contiguous copy: an expanded gradient (stride 0) or a column-major view."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+# The guard that sends an op call past the autograd dispatch key (to the device kernel), as
+# an op's own autograd kernel does once it has recorded the graph; None on a torch without it.
+BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+
+
+def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op) -> dict:
+    """{kind: (setup_context, backward)} of backend ``name``'s forward ops, computing first-order
+    gradients with the given backward callables: its registered backward ops, or its
+    implementation's methods (the eager route, see :func:`eager_route`). Either takes what
+    the matching forward returned (absent outputs as empty tensors or as None)."""
+
+
+    def attention_setup(ctx, inputs, output):
+        q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
+        ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
+        ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
+        ctx.forced = current_forced_backend()
+
+    def attention_backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
+        is_causal, causal_offset, dropout_p, scale, seed = ctx.args
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            _check_second_order("attention", name, ctx.forced)
+            grads = _grad_with_graph(
+                lambda q, k, v, m: reference.ReferenceImpl.attention_fwd(
+                    q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
+                (q, k, v, attn_mask), ctx.needs_input_grad[:4], (dout,))
+            return (*grads, None, None, None, None, None, None)
+        # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
+        # expanded (stride 0): only a non-unit innermost stride costs a copy
+        dq, dk, dv, dmask = attention_bwd_op(
+            last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+            dropout_p, scale, seed, ctx.mask_grad,
+        )
+        dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
+        return dq, dk, dv, dmask, None, None, None, None, None, None
+
+
+    def norm_setup(ctx, inputs, output):
+        x, residual, weight, bias, eps, rms = inputs
+        y, h, mean, rstd = output
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(h if ctx.has_residual else x, weight, bias, mean, rstd)
+        ctx.rms, ctx.eps = rms, eps
+        ctx.forced = current_forced_backend()
+        # when only y is used, h's gradient stays None instead of an all-zero (M, N) tensor
+        ctx.set_materialize_grads(False)
+
+    def norm_backward(ctx, dy, dh, dmean, drstd):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        dh = dh if ctx.has_residual else None
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            _check_second_order("norm", name, ctx.forced)
+            needs = ctx.needs_input_grad
+            grads = (None, None, None)
+            if dy is not None:
+                grads = _grad_with_graph(
+                    lambda h, w, b: reference.ReferenceImpl.norm_fwd(h, None, w, b, ctx.eps, ctx.rms)[0],
+                    (h, weight, bias), (needs[0] or needs[1], needs[2], needs[3]), (dy,))
+            dx = grads[0] if dh is None else (dh if grads[0] is None else grads[0] + dh)
+            return dx, (dx if ctx.has_residual else None), grads[1], grads[2], None, None
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dh = last_dim_unit_stride(dh) if dh is not None else None
+        dx, dw, db = norm_bwd_op(last_dim_unit_stride(dy), dh, h, weight, bias, mean, rstd, ctx.rms)
+        dw = dw if weight is not None else None
+        db = db if bias is not None else None
+        return dx, (dx if ctx.has_residual else None), dw, db, None, None
+
+
+
+    def dropout_setup(ctx, inputs, output):
+        ctx.p = inputs[1]
+        ctx.save_for_backward(output[1])
+
+    def dropout_backward(ctx, dy, dkeep):
+        (keep,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
+            return reference.ReferenceImpl.dropout_bwd(dy, keep, ctx.p), None, None
+        return dropout_bwd_op(dy.contiguous(), keep, ctx.p), None, None
+
+    return {"attention": (attention_setup, attention_backward), "norm": (norm_setup, norm_backward),
+            "dropout": (dropout_setup, dropout_backward)}
+
+
+# Second-order gradients. The kernels' backward is not itself differentiable: under
+# backward(create_graph=True) (gradient penalties, Hessian-vector products) the attention and
+# norm gradients are the reference forward's, taken by autograd with a graph of their own;
+# dropout's backward, linear in its gradient, is computed in PyTorch ops.
+_double_backward_warned: set[str] = set()
+
+
+def _check_second_order(op: str, backend: str, forced: str | None) -> None:
+    """Raise when the kernels were forced for op, else warn once that the reference computes it."""
+    if backend == "reference":
+        return
+    if forced == backend:
+        raise BackendUnavailableError(
+            f"backend '{backend}' was requested for {op}, but a gradient with create_graph=True (a second-order "
+            f"gradient) was asked of it, which its kernels do not provide; use the reference backend "
+            f"(fasttrans.use_backend('reference')) for the forward of such a graph"
+        )
+    if op not in _double_backward_warned:
+        _double_backward_warned.add(op)
+        warnings.warn(
+            f"fasttrans: {op}'s backward with create_graph=True runs on the reference (pure PyTorch) "
+            "implementation: the fused kernels' backward is not differentiable itself",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_outputs: tuple) -> tuple:
+    """Gradients of forward(*inputs) against grad_outputs for the inputs in needs (None for
+    the rest), recorded so that they can be differentiated again."""
+    wanted = [t for t, n in zip(inputs, needs) if n and t is not None]
+    if not wanted:
+        return tuple(None for _ in inputs)
+    with torch.enable_grad():
+        output = forward(*inputs)
+    grads = iter(torch.autograd.grad(output, wanted, grad_outputs, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, needs))
+
+
+# The eager route. A call to a registered op, even below its autograd key, costs the host
+# the dispatcher's trip into torch.library's Python wrappers: tens of microseconds, longer
+# than a small kernel runs. Eager calls (functional._call decides which) instead call the
+# backend's implementation directly: without a gradient as it is, with one through an
+# autograd.Function holding the formulas register_autograd gives the op, whose backward
+# calls the implementation's backward directly too. torch.compile, torch.func transforms,
+# dispatch modes and tensor subclasses keep calling the registered ops.
+#
+# The autograd.Function returns only the outputs a caller can use (attention: out; norm: y,
+# and h with a residual; dropout: y) and keeps the statistics (lse, mean, rstd, the keep
+# mask) on its context: autograd's bookkeeping costs microseconds per output. ``call``
+# puts its result back in the op's output structure, the unused outputs as None.
+_USED_OUTPUTS = {
+    "attention": lambda args, out: (out, None),
+    "norm": lambda args, out: (*out, None, None) if args[1] is not None else (out, None, None, None),
+    "dropout": lambda args, out: (out, None),
+}
+
+
+def _eager_function(name: str, kind: str, forward_impl, setup_context, backward) -> Callable:
+    with_residual = kind == "norm"
+
+    def forward(ctx, *inputs):
+        output = forward_impl(*inputs)
+        setup_context(ctx, inputs, output)
+        if with_residual and inputs[1] is not None:
+            return output[0], output[1]
+        return output[0]
+
+    def backward_used(ctx, *grads):
+        # the gradients of the outputs returned, then None for the statistics
+        return backward(ctx, *grads, *(None,) * (_OP_OUTPUTS[kind] - len(grads)))
+
+    function = type(f"{kind}_fwd_{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_used)})
+    apply, used = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply, _USED_OUTPUTS[kind]
+
+    def call(*args):
+        return used(args, apply(*args))
+
+    call.function = function
+    return call
+
+
+_OP_OUTPUTS = {"attention": 2, "norm": 4, "dropout": 2}
+_eager_routes: dict[tuple[str, str], tuple] = {}  # see eager_route
+_selected_routes: dict[tuple, tuple] = {}  # see selected_route
+_dependent_memos.extend((_eager_routes, _selected_routes))  # cleared when BACKENDS changes
+# autograd.Function.apply's C implementation, called without the Python preamble of
+# Function.apply (a third of its host cost), which binds default arguments for functions
+# with a separate setup_context and unwraps torch.func's dead wrappers: the eager functions
+# define forward(ctx, ...) and run only while no torch.func transform is active.
+_C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
+
+
+def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
+    """(forward, call) of backend ``name``'s ``kind`` op ("attention", "norm", "dropout")
+    for eager calls: its implementation's forward (its ``<kind>_infer`` where it has one),
+    called as it is when nothing needs a gradient, and a function applying the forward
+    through an autograd.Function (``call.function``) with the op's gradient formulas.
+    Both take the registered forward op's arguments and return its outputs, absent ones
+    (and, from ``call``, the statistics only a backward reads) as None where the op
+    returns empty tensors."""
+    route = _eager_routes.get((name, kind))
+    if route is None:
+        impl = BACKENDS[name].impl()
+        methods = [getattr(impl, f"{k}_{d}", None) for k in ("attention", "norm", "dropout") for d in ("fwd", "bwd")]
+        if name == "extension":  # C++ ops: skip their autograd key, whose Python kernel the route replaces
+            methods = [_below_autograd(m) for m in methods]
+        formulas = _autograd_formulas(name, *methods[1::2])
+        forward = methods[("attention", "norm", "dropout").index(kind) * 2]
+        call = _eager_function(name, kind, forward, *formulas[kind])
+        infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
+        route = _eager_routes[(name, kind)] = (forward if infer is None else infer, call)
+    return route
+
+
+def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(name, forward, function): the backend :func:`select_backend` selects for ``kind`` on
+    (device, dtype) and its :func:`eager_route`, in one lookup per call (both are asked on
+    every eager call). Memoised under the same key as the selection, with the environment
+    variables that selection reads."""
+    forced = _forced.get()
+    if forced is _FROM_ENV:
+        forced = _getenv("FASTTRANS_BACKEND", b"FASTTRANS_BACKEND") or None
+    key = (forced, kind, device, dtype, forced and _getenv("TRITON_INTERPRET", b"TRITON_INTERPRET"))
+    route = _selected_routes.get(key)
+    if route is None:
+        name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised
+        route = _selected_routes[key] = (name, *eager_route(name, kind))
+    return route
+
+
+def _below_autograd(method):
+    if method is None or BELOW_AUTOGRAD is None:
+        return method
+
+    def call(*args):
+        with BELOW_AUTOGRAD():
+            return method(*args)
+
+    return call
