@@ -30,6 +30,19 @@ from fasttrans import backends  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _expected_minutes(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("minutes", 0.5))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test``: --dist loadfile --no-loadscope-reorder), the files of
+    the longest tests start first, as a file is queued where its first test is collected: one
+    started near the end would run on alone while the other worker idles. Every worker sorts
+    alike, so their collections agree; a serial run keeps the files' order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: -_expected_minutes(item))
+
 
 @pytest.fixture
 def device() -> str:

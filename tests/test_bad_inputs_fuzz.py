@@ -550,6 +550,7 @@ _TRITON_DTYPES = (torch.float32, torch.float16)
 needs_triton = pytest.mark.skipif(_TRITON_WHY is not None, reason=f"triton: {_TRITON_WHY}")
 
 
+@pytest.mark.slow
 @needs_triton
 @_fuzz(200)
 @given(case=attention_cases().filter(lambda c: c["dtype"] in _TRITON_DTYPES))

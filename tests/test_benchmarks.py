@@ -338,7 +338,7 @@ def quick_results(tmp_path_factory):
     return out, runs
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 # (not named "benchmark": pytest-benchmark, where installed, claims that argument name)
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_quick_run_writes_sane_rows_and_plots(quick_results, script):
@@ -458,6 +458,7 @@ def test_profile_call_splits_the_host_time_of_each_provider(capsys):
     assert "  fasttrans\n" not in sections["torch"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="the stand-in CUDA driver is built with a C compiler")
 def test_profile_call_times_the_triton_host_path_through_the_stand_in_driver():
@@ -504,7 +505,7 @@ def test_profile_call_rejects_a_shape_of_the_wrong_rank():
         profile_call.main(["--op", "attention", "--shape", "2,8", "--device", "cpu", "--calls", "1"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1)
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="the stand-in CUDA driver is built with a C compiler")
 def test_host_cost_quick_run_times_the_triton_path_through_the_stand_in_driver(tmp_path):

@@ -683,6 +683,7 @@ def _check_convert(case):
         assert twice is converted and skipped == []
 
 
+@pytest.mark.slow
 @fuzz_settings(800)
 @given(case=convert_cases())
 def test_convert_matches_torch(case):

@@ -76,6 +76,7 @@ def test_parser_reads_spills():
     assert parse_ptxas(text) == {("_Z3fooPf", 90): (16, 8, 4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_compiles_without_spills(ptxas_reports, source, arch):

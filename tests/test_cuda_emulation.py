@@ -120,11 +120,13 @@ def test_launches_are_rewritten_for_the_host():
         assert "launch(dim3(" in host_source(name), name
 
 
+@pytest.mark.slow
 def test_layernorm_kernels(build):
     out = _run(build("layernorm"), timeout=300)
     assert out.rstrip().endswith("0 bad"), out
 
 
+@pytest.mark.slow(minutes=3)
 def test_attention_kernels(build):
     out = _run(build("attention"), timeout=600)
     assert out.rstrip().endswith("0 bad configs"), out

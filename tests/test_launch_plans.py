@@ -136,6 +136,7 @@ with fasttrans.use_backend("triton"):
 """
 
 
+@pytest.mark.slow(minutes=2)
 def test_planned_launches_match_tritons_own():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], capture_output=True, text=True, env=env,

@@ -335,6 +335,7 @@ _CAUSAL = dict(dims=2, kind="bool", causal=True, p=0.2, dtype=F64, finite=False,
 _PADDING = dict(kind="right", p=0.2, dtype=F64, finite=False, layout="contiguous")  # a key padding mask spec
 
 
+@pytest.mark.slow
 @fuzz_settings(3000)
 @given(case=mha_cases())
 # regressions found by this test: torch turns a bool mask into the query's dtype before adding
@@ -489,6 +490,7 @@ def _transformer_example(**overrides):
     return case
 
 
+@pytest.mark.slow(minutes=1)
 @fuzz_settings(2000)
 @given(case=transformer_cases())
 # the bool + float16 pair of masks, which torch takes (the regression of the examples above)

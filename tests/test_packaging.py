@@ -69,7 +69,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     assert csrc == on_disk, f"wheel ships {csrc}, the tree has {on_disk}"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1)
 def test_build_ext_compiles_the_extension_at_install_time(tmp_path):
     """FASTTRANS_BUILD_EXT=1 builds the extension while the package is built, into the
     cache that first use then finds (so it loads without compiling)."""

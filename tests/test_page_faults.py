@@ -100,6 +100,7 @@ def _run_child(code: str, env_extra: dict | None = None) -> subprocess.Completed
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_loops_fault_no_more_than_torch():
     proc = _run_child(_CHILD)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -102,6 +102,7 @@ def _run_attention(case, backend, dtype=torch.float32):
         assert_close_lowp(f"{backend} {name}", a.float(), e, None, dtype=torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params("attention"))
 @FUZZ
 @given(case=attention_cases())
