@@ -560,6 +560,58 @@ def _norm(x, residual, weight, bias, eps, rms, n):
     return y, h
 
 
+def _plain_param(p, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (type(p) in _PLAIN_TENSORS and p.layout is _STRIDED and p.dtype == dtype and p.shape == (n,)
+            and p.stride(0) == 1 and p.device == device)
+
+
+def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
+    """(y, h or None) of a norm call in the common case, or None for any other call, which
+    the general route takes (and reports, when it is invalid). The common case: plain
+    contiguous tensors of one float dtype and device with x's last dim n, (n,) parameters, a
+    float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode.
+    Its result is the general route's; it reads each attribute once, in one frame (every
+    eager norm call pays this path's host time)."""
+    if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < math.inf or _is_compiling()
+            or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
+            or _dispatch_stack_len is None or _dispatch_stack_len()):
+        return None
+    shape = x.shape
+    dtype = x.dtype
+    if (x.layout is not _STRIDED or not shape or shape[-1] != n or n == 0 or dtype not in _FLOAT_DTYPES
+            or not x.is_contiguous()):
+        return None
+    device = x.device
+    if ((weight is not None and not _plain_param(weight, n, dtype, device))
+            or (bias is not None and not _plain_param(bias, n, dtype, device))):
+        return None
+    if residual is not None and not (type(residual) in _PLAIN_TENSORS and residual.layout is _STRIDED
+                                     and residual.dtype == dtype and residual.shape == shape
+                                     and residual.device == device and residual.is_contiguous()):
+        return None
+    rows = len(shape) == 2
+    if not rows:
+        if x.numel() == 0:
+            return None
+        x = x.view(-1, n)
+        residual = None if residual is None else residual.view(-1, n)
+    elif shape[0] == 0:
+        return None
+    _, forward, function = backends.selected_route("norm", device, dtype)
+    if _grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
+                            or (weight is not None and weight.requires_grad)
+                            or (bias is not None and bias.requires_grad)):
+        y, h, _, _ = function(x, residual, weight, bias, eps, rms)
+    else:
+        y, h, _, _ = forward(x, residual, weight, bias, eps, rms)
+    if residual is None:
+        h = None
+    if not rows:
+        y = y.view(shape)
+        h = None if h is None else h.view(shape)
+    return y, h
+
+
 def layer_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -568,6 +620,11 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
+    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
+    if n is not None:
+        out = _norm_fast(x, None, weight, bias, eps, False, n)
+        if out is not None:
+            return out[0]
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.layer_norm(x, shape, weight, bias, eps)
@@ -587,6 +644,10 @@ def add_layer_norm(
 
     Post-norm (Add & Norm) blocks use y; pre-norm blocks keep h as the residual stream.
     """
+    if type(x) in _PLAIN_TENSORS and type(residual) in _PLAIN_TENSORS and x.dim():
+        out = _norm_fast(x, residual, weight, bias, eps, False, x.shape[-1])
+        if out is not None:
+            return out
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual: expected a torch.Tensor, got {type(residual).__name__}")
     _check_tensor("x", x)
@@ -611,6 +672,11 @@ def rms_norm(
     eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
+    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
+    if n is not None and eps is not None:
+        out = _norm_fast(x, None, weight, None, eps, True, n)
+        if out is not None:
+            return out[0]
     shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)
     if eps is None:
         eps = torch.finfo(reference.accumulation_dtype(x)).eps
