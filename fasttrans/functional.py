@@ -346,10 +346,27 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
     Not for users: invalid arguments here are not reported."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
         return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
-    Lq, D = q.shape[2:]
+    B, H, Lq, D = q.shape
     # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
     # or below none sees any), in the int64 range the ops take
     causal_offset = max(-Lq, min(causal_offset, k.shape[2]))
+    if (attn_mask is None and type(q) in _PLAIN_TENSORS and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
+            and B and H and Lq and D <= MAX_HEAD_DIM and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+            and not _is_compiling() and _functorch.maybe_current_level() is None
+            and getattr(_fwAD, "_current_level", 0) < 0 and _dispatch_stack_len is not None
+            and not _dispatch_stack_len()):
+        # the common eager call without a dense mask, in one frame (the general route below
+        # gives the same result through its preparation, fallbacks and _run)
+        device = q.device
+        if key_lengths is None or (key_lengths.dtype == torch.int32 and key_lengths.device == device
+                                   and key_lengths.is_contiguous() and type(key_lengths) in _PLAIN_TENSORS):
+            scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+            seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
+            _, forward, function = backends.selected_route("attention", device, q.dtype)
+            args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
+            if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return function(*args)[0]
+            return forward(*args)[0]
     if attn_mask is None and key_lengths is None and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1:
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)  # nothing else to prepare
     else:
