@@ -1,4 +1,4 @@
-"""Kernel launches through cached launch plans.
+"""Kernel launches through cached launch plans and bound call sites.
 
 ``kernel[grid](*args, **constexprs)`` makes Triton bind and specialise every argument, hash
 the result and look the compiled kernel up, on every call (an autotuned kernel adds its
@@ -13,11 +13,15 @@ argument its dtype and 16-byte alignment (tensors), or whether it is 1, divisibl
 within int32 (integers), and the values of an autotuner's key arguments. Two calls with one
 key get the same binary from Triton; a finer key only costs an extra plan.
 
-Plans use ``CompiledKernel.run``'s calling convention, a Triton internal, on the Triton
-versions it was read in (``PLANNED_VERSIONS``); other versions, the interpreter and
-launches with Triton's launch hooks installed (a profiler) take the public
-``kernel[grid](...)`` route, chosen once at import (the hooks: per call). Set
-``FASTTRANS_TRITON_PLANS=0`` to force the public route.
+Call sites go further (``Launcher.bind``, "Call sites" below): a launcher function keys its
+call by what fixes every launch's arguments (its inputs' signatures), binds the plan and the
+grid once, and later calls only allocate outputs and call Triton's C launch function.
+
+Plans use ``CompiledKernel.run``'s calling convention, and bound sites the C launch
+function's beneath it, Triton internals, on the Triton versions they were read in
+(``PLANNED_VERSIONS``); other versions, the interpreter and launches with Triton's launch
+hooks installed (a profiler) take the public ``kernel[grid](...)`` route, chosen once at
+import (the hooks: per call). Set ``FASTTRANS_TRITON_PLANS=0`` to force the public route.
 """
 
 from __future__ import annotations
