@@ -12,6 +12,11 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.fasttrans-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: all tests in one process). --dist loadfile runs each test
+# file on one worker: module-scoped fixtures (minutes of compiling) are set up once, and the two
+# packaging tests do not build in the source tree at the same time. Files start longest first
+# (the slow marks' minutes, tests/conftest.py).
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 GPU_CHECK_ARGS ?=
 
@@ -37,7 +42,7 @@ demo: $(STAMP)
 	$(PYTHON) -m fasttrans demo
 
 test: $(STAMP)
-	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PYTHON) -m pytest tests -m gpu $(PYTEST_ARGS)

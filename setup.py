@@ -52,7 +52,8 @@ setup(
     # the demo and training command (progress bars, the loss plot) and the test suite need more than the library
     extras_require={
         "demo": ["tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "threadpoolctl", "numpy", "tqdm", "matplotlib", "transformers>=5,<6"],
+        "test": ["pytest", "pytest-xdist==3.8.0", "hypothesis", "threadpoolctl", "numpy", "tqdm", "matplotlib",
+                 "transformers>=5,<6"],
         # the range fasttrans.integrations.transformers supports (SUPPORTED_VERSIONS there)
         "transformers": ["transformers>=5,<6"],
     },
