@@ -183,11 +183,12 @@ class Launcher:
         return spec
 
     def __call__(self, grid, args: tuple, spec, device_index: int | None = None, **options):
+        """Launch; returns the plan it used (None on the public route)."""
         if type(spec) is not Spec:
             spec = self.spec(spec, **options)
         if not _PLANS or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             self._public(grid, args, spec)
-            return
+            return None
         types = tuple(map(type, args))
         keyer = self.keyers.get(types)
         if keyer is None:
@@ -196,7 +197,7 @@ class Launcher:
         plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._plan(grid, args, spec)
-            return  # _plan launched it
+            return plan  # _plan launched it
         g = grid(plan.meta) if callable(grid) else grid
         g1 = g[1] if len(g) > 1 else 1
         g2 = g[2] if len(g) > 2 else 1
@@ -207,6 +208,7 @@ class Launcher:
             plan.direct(g[0], g1, g2, stream, *plan.head, args + plan.tail)
         else:
             plan.direct(g[0], g1, g2, stream, *plan.head, *args, *plan.tail)
+        return plan
 
     def bind(self, grid, args: tuple, spec, device_index: int | None = None) -> Callable[[tuple], None]:
         """Launch once, as ``self(grid, args, spec, device_index)``, and return a function
@@ -218,11 +220,7 @@ class Launcher:
         plans turned off every launch takes the public route."""
         if type(spec) is not Spec:
             spec = self.spec(spec)
-        self(grid, args, spec, device_index)
-        plan = None
-        if _PLANS and not (knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls):
-            plan = self.plans.get((spec, tuple(map(type, args)), self.keyers[tuple(map(type, args))](args),
-                                   self.tune_key(args), device_index))
+        plan = self(grid, args, spec, device_index)
         if plan is None or plan.direct is None:
             return lambda args: self(grid, args, spec, device_index)
         g = grid(plan.meta) if callable(grid) else grid
