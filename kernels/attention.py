@@ -1042,14 +1042,30 @@ def _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout
 _FWD_SITES: dict = {}
 _BWD_SITES: dict = {}
 _INF = float("inf")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _kv_signature(t: torch.Tensor) -> tuple:
+    """A key or value tensor's signature without its length, which the forward takes as an
+    integer argument: decoding steps over a growing key/value cache share one site."""
+    B, H, _, D = t.shape
+    return B, H, D, t.stride(), t.dtype, t.get_device(), _data_ptr(t) & 15
 
 
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
-    key = _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
+    Lk, causal_offset = k.shape[2], int(causal_offset)
+    # the site's key (kernels/_launch.py, "Call sites"): Lk and the causal offset by their
+    # integer classes and Lk's tuning bucket, the seed's class only with dropout, the TF32
+    # setting only for fp32 (read per call, as torch reads it per matmul)
+    dtype = q.dtype
+    qsig = sig(q)
+    key = (qsig, _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
+           int_class(Lk), _bucket(Lk), int_class(causal_offset), dropout_p,
+           int_class(int(seed)) if dropout_p > 0.0 else None,
+           input_precision(dtype) if dtype == torch.float32 else None, _interpreting())
     site = _FWD_SITES.get(key)
-    (B, H, Lq, D), q_strides = key[0][0], key[0][1]
-    Hkv, Lk = key[1][0][1], key[1][0][2]
+    (B, H, Lq, D), q_strides = qsig[0], qsig[1]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -1057,10 +1073,10 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         return out.zero_(), lse.fill_(_INF)
     if site is None:
         _check_dtype(q)
-        # the integers a site's key fixes: strides, sizes, dropout threshold, tuning buckets
+        # the integers the key fixes: strides, sizes, dropout threshold, tuning buckets
+        Hkv = k.shape[1]
         mstride = _mask_operand(attn_mask, q)[2]
-        ints = (*key[1][1][:3], *key[2][1][:3], H * Lq * D, Lq * D, D, *mstride,
-                H, H // Hkv, Lq, Lk, int(causal_offset))
+        ints = (*k.stride()[:3], *v.stride()[:3], H * Lq * D, Lq * D, D, *mstride, H, H // Hkv, Lq)
         tail = (dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launch, ints, tail = site
@@ -1068,7 +1084,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             tail = (tail[0], int(seed), tail[2], tail[3])
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
     args = (q, k, v, out, lse, mask, q if key_lengths is None else _lengths_operand(key_lengths, q),
-            *q_strides[:3], *ints, float(scale), float(dropout_p), *tail)
+            *q_strides[:3], *ints, Lk, causal_offset, float(scale), float(dropout_p), *tail)
     with on_device(q):
         if site is not None:
             launch(args)
