@@ -568,6 +568,11 @@ def _norm(x, residual, weight, bias, eps, rms, n):
         bias if bias is None or (bias.dtype == dtype and bias.dim() == 1) else _param(bias, x),
         float(eps), rms,
     )
+    return _norm_outputs(y, h, residual, rows, x)
+
+
+def _norm_outputs(y, h, residual, rows: bool, x):
+    """(y, h or None) in x's shape, from the (M, N) rows a norm op returned."""
     if residual is None:
         h = None
     if not rows:
@@ -607,26 +612,28 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
                                      and residual.device == device and residual.is_contiguous()):
         return None
     rows = len(shape) == 2
+    x_rows, r_rows = x, residual
     if not rows:
         if x.numel() == 0:
             return None
-        x = x.view(-1, n)
-        residual = None if residual is None else residual.view(-1, n)
+        x_rows = x.view(-1, n)
+        r_rows = None if residual is None else residual.view(-1, n)
     elif shape[0] == 0:
         return None
     _, forward, function = backends.selected_route("norm", device, dtype)
     if _grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
                             or (weight is not None and weight.requires_grad)
                             or (bias is not None and bias.requires_grad)):
-        y, h, _, _ = function(x, residual, weight, bias, eps, rms)
+        y, h, _, _ = function(x_rows, r_rows, weight, bias, eps, rms)
     else:
-        y, h, _, _ = forward(x, residual, weight, bias, eps, rms)
-    if residual is None:
-        h = None
-    if not rows:
-        y = y.view(shape)
-        h = None if h is None else h.view(shape)
-    return y, h
+        y, h, _, _ = forward(x_rows, r_rows, weight, bias, eps, rms)
+    return _norm_outputs(y, h, residual, rows, x)
+
+
+def _norm_fast_over(x, normalized_shape, weight, bias, eps, rms: bool):
+    """:func:`_norm_fast` for a norm over ``normalized_shape``, which must name one dim."""
+    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
+    return None if n is None else _norm_fast(x, None, weight, bias, eps, rms, n)
 
 
 def layer_norm(
@@ -637,11 +644,9 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
-    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
-    if n is not None:
-        out = _norm_fast(x, None, weight, bias, eps, False, n)
-        if out is not None:
-            return out[0]
+    out = _norm_fast_over(x, normalized_shape, weight, bias, eps, False)
+    if out is not None:
+        return out[0]
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
         return reference.layer_norm(x, shape, weight, bias, eps)
@@ -689,11 +694,9 @@ def rms_norm(
     eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
-    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
-    if n is not None and eps is not None:
-        out = _norm_fast(x, None, weight, None, eps, True, n)
-        if out is not None:
-            return out[0]
+    out = None if eps is None else _norm_fast_over(x, normalized_shape, weight, None, eps, True)
+    if out is not None:
+        return out[0]
     shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)
     if eps is None:
         eps = torch.finfo(reference.accumulation_dtype(x)).eps

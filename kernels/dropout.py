@@ -237,13 +237,7 @@ def dropout_fwd(x: torch.Tensor, p: float, seed: int, *, config: DropoutConfig |
     if numel:
         args = (x, y, keep, numel, int(seed), dropout_threshold(p), dropout_scale(p))
         with on_device(x):
-            if launch is not None:
-                launch(args)
-            else:
-                launch = _FWD.bind((cdiv(numel, cfg.BLOCK),), args,
-                                   _spec(cfg, _index_64(numel, cfg.BLOCK), _rne_bf16(x.dtype)), x.device.index)
-                if key is not None:
-                    remember(_FWD_SITES, key, launch)
+            _launch_at(_FWD_SITES, key, launch, _FWD, numel, cfg, x, args)
     return y, keep.view(torch.bool)
 
 
@@ -264,14 +258,20 @@ def dropout_bwd(dy: torch.Tensor, keep: torch.Tensor, p: float, *, config: Dropo
     if numel:
         args = (dy, keep, dx, numel, dropout_scale(p))
         with on_device(dy):
-            if launch is not None:
-                launch(args)
-            else:
-                launch = _BWD.bind((cdiv(numel, cfg.BLOCK),), args,
-                                   _spec(cfg, _index_64(numel, cfg.BLOCK), _rne_bf16(dy.dtype)), dy.device.index)
-                if key is not None:
-                    remember(_BWD_SITES, key, launch)
+            _launch_at(_BWD_SITES, key, launch, _BWD, numel, cfg, dy, args)
     return dx
+
+
+def _launch_at(sites: dict, key, launch, launcher: Launcher, numel: int, cfg: DropoutConfig, x, args) -> None:
+    """Launch through a site's bound launch, or bind it on the site's first call (and keep
+    it under key unless key is None: a launch configuration of the caller's own)."""
+    if launch is not None:
+        launch(args)
+        return
+    launch = launcher.bind((cdiv(numel, cfg.BLOCK),), args, _spec(cfg, _index_64(numel, cfg.BLOCK), _rne_bf16(x.dtype)),
+                           x.device.index)
+    if key is not None:
+        remember(sites, key, launch)
 
 
 # --------------------------------------------------------------------------------------

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -295,3 +299,43 @@ def transformer_module(lib, case: dict, final_norm, transformer_layers: int | No
             t = n if transformer_layers is None else transformer_layers
             return lib.Transformer(E, H, t, t, **layer)
     raise ValueError(f"kind: expected one of {TRANSFORMER_KINDS}, got {kind!r}")
+
+
+# The stand-in CUDA driver (benchmarks/standin_cuda.py): Triton's real launcher without a GPU,
+# in a child process without the interpreter.
+needs_c_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                      reason="the stand-in CUDA driver is built with a C compiler")
+
+
+def run_through_standin_driver(code: str, timeout: int = 900) -> str:
+    """Run ``code`` in a child process with the stand-in driver active and launch plans on;
+    returns its output, failing the test with the child's output when it fails."""
+    repo = Path(__file__).resolve().parents[1]
+    preamble = "import sys\nsys.path.insert(0, sys.argv[1])\nfrom benchmarks import standin_cuda\nstandin_cuda.activate()\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
+    proc = subprocess.run([sys.executable, "-c", preamble + code, str(repo)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+# Inputs every stand-in child tests with: attention with grouped heads (fp32), each mask
+# kind, and norm rows; ``grad_of(fn, *inputs)`` makes a call into a forward+backward.
+STANDIN_INPUTS = """
+def grad_of(fn, *inputs):
+    return lambda: torch.autograd.grad(fn().float().sum(), inputs)
+
+
+torch.manual_seed(0)
+B, H, Hkv, L, D = 2, 4, 2, 37, 64
+q = torch.randn(B, H, L, D, requires_grad=True)
+k = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
+v = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
+bool_mask = torch.rand(B, 1, L, L + 3) < 0.7
+float_mask = torch.randn(1, H, L, L + 3, requires_grad=True)
+lengths = torch.tensor([L + 3, 5], dtype=torch.int32)
+x = torch.randn(6, 1000, requires_grad=True)
+r = torch.randn(6, 1000, requires_grad=True)
+w = torch.randn(1000, requires_grad=True)
+b = torch.randn(1000, requires_grad=True)
+"""

@@ -11,25 +11,11 @@ directly: the public op checks lengths that live on the host, which costs no syn
 (docs/semantics.md); dropout seeds are drawn from torch's CPU generator, a host value too.
 """
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
+from helpers import STANDIN_INPUTS, needs_c_compiler, run_through_standin_driver
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the stand-in CUDA driver is built with a C compiler")
+pytestmark = needs_c_compiler
 
 _CHILD = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-from benchmarks import standin_cuda
-standin_cuda.activate()
-
 import torch
 import fasttrans
 from fasttrans.kernels import attention as kernels_attention
@@ -49,23 +35,7 @@ READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index
 saved = {name: getattr(torch.Tensor, name) for name in READS}
 
 
-def grad_of(fn, *inputs):
-    return lambda: torch.autograd.grad(fn().float().sum(), inputs)
-
-
-torch.manual_seed(0)
-B, H, Hkv, L, D = 2, 4, 2, 37, 64
-q = torch.randn(B, H, L, D, requires_grad=True)
-k = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
-v = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
-bool_mask = torch.rand(B, 1, L, L + 3) < 0.7
-float_mask = torch.randn(1, H, L, L + 3, requires_grad=True)
-lengths = torch.tensor([L + 3, 5], dtype=torch.int32)
-x = torch.randn(6, 1000, requires_grad=True)
-r = torch.randn(6, 1000, requires_grad=True)
-w = torch.randn(1000, requires_grad=True)
-b = torch.randn(1000, requires_grad=True)
-qd, kd, vd = q.detach(), k.detach(), v.detach()
+""" + STANDIN_INPUTS + r"""qd, kd, vd = q.detach(), k.detach(), v.detach()
 
 
 def kernel_key_lengths():
@@ -128,8 +98,5 @@ allowing()
 
 
 def test_triton_path_reads_no_tensor_value():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.stdout.count("no host read") == 11, proc.stdout
+    stdout = run_through_standin_driver(_CHILD)
+    assert stdout.count("no host read") == 11, stdout

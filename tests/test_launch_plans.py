@@ -10,24 +10,14 @@ arguments, for every op and mask kind.
 """
 
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import STANDIN_INPUTS, needs_c_compiler, run_through_standin_driver
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the stand-in CUDA driver is built with a C compiler")
+pytestmark = needs_c_compiler
 
 _CHILD = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-from benchmarks import standin_cuda
-standin_cuda.activate()
-
 import torch
 import triton
 from triton.backends.nvidia import driver as nvidia
@@ -74,23 +64,7 @@ def record(call):
     return list(launches)
 
 
-def grad_of(fn, *inputs):
-    return lambda: torch.autograd.grad(fn().float().sum(), inputs)
-
-
-torch.manual_seed(0)
-B, H, Hkv, L, D = 2, 4, 2, 37, 64
-q = torch.randn(B, H, L, D, requires_grad=True)
-k = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
-v = torch.randn(B, Hkv, L + 3, D, requires_grad=True)
-qh, kh, vh = (t.detach().half().requires_grad_() for t in (q, k, v))
-bool_mask = torch.rand(B, 1, L, L + 3) < 0.7
-float_mask = torch.randn(1, H, L, L + 3, requires_grad=True)
-lengths = torch.tensor([L + 3, 5], dtype=torch.int32)
-x = torch.randn(6, 1000, requires_grad=True)
-r = torch.randn(6, 1000, requires_grad=True)
-w = torch.randn(1000, requires_grad=True)
-b = torch.randn(1000, requires_grad=True)
+""" + STANDIN_INPUTS + r"""qh, kh, vh = (t.detach().half().requires_grad_() for t in (q, k, v))
 wide = torch.randn(3, 20000, requires_grad=True)
 # x's shape and strides at an address 4 bytes past alignment: bound launches are keyed by it
 q_shifted = torch.randn(q.numel() + 1)[1:].view(q.shape).requires_grad_()
@@ -145,11 +119,8 @@ with fasttrans.use_backend("triton"):
 
 @pytest.mark.slow(minutes=2)
 def test_planned_launches_match_tritons_own():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.stdout.count("launches agree") == 17, proc.stdout
+    stdout = run_through_standin_driver(_CHILD)
+    assert stdout.count("launches agree") == 17, stdout
 
 
 def test_plans_are_off_under_the_interpreter():
