@@ -1354,7 +1354,7 @@ RAW_CASES = {
     "icm-half-bf16": ("(ICM(T((4, 4), 'f16')), ICM(T((4, 4), 'bf16')))", "ok"),
     "icm-meta": ("ICM(torch.ones(4, 4, device='meta'))", "any"),
     # one meta tensor among CPU ones: the dispatcher picks the Meta kernel, the fake
-    # implementation (fasttrans/backends.py), which checks that the devices agree
+    # implementation (fasttrans/backends/registration.py), which checks that the devices agree
     "afwd-meta-mask": (_a(mask="meta(torch.ones(5, 7, dtype=torch.bool))"), "error:attn_mask"),
     "afwd-meta-kl": (_a(kl="meta(torch.tensor([1, 2]))"), "error:key_lengths"),
     "abwd-meta-dout": (_ab(dout="meta(do)"), "error:dout"),
