@@ -85,13 +85,13 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from fasttrans.dropout_spec import dropout_threshold
+from fasttrans.environ import getenv
 
 from . import capability, cdiv, device_index, next_power_of_2, on_device
 from ._attention_configs import (
@@ -878,18 +878,9 @@ _DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp3
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# Read at launch time: the test suite switches the interpreter on before importing triton.
-# os.environ decodes its key and value on every read; its byte-keyed store (POSIX) sees the
-# same updates at a fraction of the cost, and this is read on every call.
-_environ_data = getattr(os.environ, "_data", None) if os.name == "posix" else None
-if not isinstance(_environ_data, dict):
-    _environ_data = None
-
-
 def _interpreting() -> bool:
-    if _environ_data is not None:
-        return _environ_data.get(b"TRITON_INTERPRET") == b"1"
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    # read at launch time: the test suite switches the interpreter on before importing triton
+    return getenv("TRITON_INTERPRET") == "1"
 
 
 def _check_dtype(q: torch.Tensor) -> None:
@@ -962,8 +953,8 @@ def _tf32_allowed() -> bool:
     inherit ``torch.backends.fp32_precision``), which also reflects the legacy ``allow_tf32`` and
     ``torch.set_float32_matmul_precision``; reading the legacy flag after the new API was
     used raises a RuntimeError there, so it is read only on an older torch. The settings are
-    read through the C getters behind those attributes where torch has them (a tenth of the
-    attribute's cost).
+    read through the C getters behind those attributes where torch has them, which skip the
+    attribute's Python layer.
     """
     if _fp32_precision is None:
         return bool(torch.backends.cuda.matmul.allow_tf32)
@@ -1029,14 +1020,20 @@ def _preprocess_spec(D: int, block_d: int) -> Spec:
     return Spec(dict(HEAD_DIM=D, BLOCK_D=block_d))
 
 
-def _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed) -> tuple:
-    """What the launches of one attention call depend on beyond its tensors' addresses
-    (kernels/_launch.py, "Call sites"): the seed's integer class only with dropout, the TF32
-    setting only for fp32 (read per call, as torch reads it per matmul)."""
+def _call_flags(q, dropout_p, seed) -> tuple:
+    """The part of a site's key (kernels/_launch.py, "Call sites") that is not in the
+    tensors: dropout_p, the seed's integer class only with dropout, the TF32 setting only for
+    fp32 (read per call, as torch reads it per matmul), and whether the interpreter runs."""
     dtype = q.dtype
-    return (sig(q), sig(k), sig(v), sig(attn_mask), sig(key_lengths), bool(is_causal), int(causal_offset),
-            dropout_p, int_class(int(seed)) if dropout_p > 0.0 else None,
+    return (dropout_p, int_class(int(seed)) if dropout_p > 0.0 else None,
             input_precision(dtype) if dtype == torch.float32 else None, _interpreting())
+
+
+def _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed) -> tuple:
+    """What the backward's launches depend on beyond its tensors' addresses (the forward keys
+    k and v without their length, see attention_fwd)."""
+    return (sig(q), sig(k), sig(v), sig(attn_mask), sig(key_lengths), bool(is_causal), int(causal_offset),
+            _call_flags(q, dropout_p, seed))
 
 
 _FWD_SITES: dict = {}
@@ -1055,15 +1052,10 @@ def _kv_signature(t: torch.Tensor) -> tuple:
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
-    # the site's key (kernels/_launch.py, "Call sites"): Lk and the causal offset by their
-    # integer classes and Lk's tuning bucket, the seed's class only with dropout, the TF32
-    # setting only for fp32 (read per call, as torch reads it per matmul)
-    dtype = q.dtype
+    # the site's key: Lk and the causal offset by their integer classes and Lk's tuning bucket
     qsig = sig(q)
     key = (qsig, _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
-           int_class(Lk), _bucket(Lk), int_class(causal_offset), dropout_p,
-           int_class(int(seed)) if dropout_p > 0.0 else None,
-           input_precision(dtype) if dtype == torch.float32 else None, _interpreting())
+           int_class(Lk), _bucket(Lk), int_class(causal_offset), _call_flags(q, dropout_p, seed))
     site = _FWD_SITES.get(key)
     (B, H, Lq, D), q_strides = qsig[0], qsig[1]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does

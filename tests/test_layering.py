@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("fasttrans.dropout_spec", 0, "neutral"),
     ("fasttrans.version", 0, "neutral"),
+    ("fasttrans.environ", 0, "neutral"),
     ("fasttrans.reference", 1, "reference"),
     ("fasttrans.kernels", 1, "kernels"),
     ("fasttrans.extension", 1, "extension"),

@@ -9,14 +9,13 @@ from typing import Callable
 
 import torch
 
-from .. import reference
+from .. import environ, reference
 from .registry import (
     _FROM_ENV,
     BACKENDS,
     BackendUnavailableError,
     _dependent_memos,
     _forced,
-    _getenv,
     current_forced_backend,
     select_backend,
 )
@@ -203,7 +202,7 @@ _eager_routes: dict[tuple[str, str], tuple] = {}  # see eager_route
 _selected_routes: dict[tuple, tuple] = {}  # see selected_route
 _dependent_memos.extend((_eager_routes, _selected_routes))  # cleared when BACKENDS changes
 # autograd.Function.apply's C implementation, called without the Python preamble of
-# Function.apply (a third of its host cost), which binds default arguments for functions
+# Function.apply, which binds default arguments for functions
 # with a separate setup_context and unwraps torch.func's dead wrappers: the eager functions
 # define forward(ctx, ...) and run only while no torch.func transform is active.
 _C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
@@ -238,8 +237,8 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
     variables that selection reads."""
     forced = _forced.get()
     if forced is _FROM_ENV:
-        forced = _getenv("FASTTRANS_BACKEND", b"FASTTRANS_BACKEND") or None
-    key = (forced, kind, device, dtype, forced and _getenv("TRITON_INTERPRET", b"TRITON_INTERPRET"))
+        forced = environ.getenv("FASTTRANS_BACKEND") or None
+    key = (forced, kind, device, dtype, forced and environ.getenv("TRITON_INTERPRET"))
     route = _selected_routes.get(key)
     if route is None:
         name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised

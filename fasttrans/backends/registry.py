@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .. import extension, reference
+from .. import environ, extension, reference
 
 __all__ = [
     "BACKENDS",
@@ -280,26 +280,11 @@ def mask_helpers() -> tuple | None:
     return extension.mask_helpers()
 
 
-# Environment reads on the hot path (each call reads FASTTRANS_BACKEND, a forced call also
-# TRITON_INTERPRET): os.environ decodes its key and value on every read, a plain dict
-# lookup in its byte-keyed store is several times cheaper and sees the same updates.
-_environ_data = getattr(os.environ, "_data", None) if os.name == "posix" else None  # bytes keys there
-if not isinstance(_environ_data, dict):
-    _environ_data = None
-
-
-def _getenv(name: str, key: bytes) -> str | None:
-    if _environ_data is None:
-        return os.environ.get(name)
-    value = _environ_data.get(key)
-    return None if value is None else os.fsdecode(value)
-
-
 def current_forced_backend() -> str | None:
     """The backend forced by use_backend(...) or FASTTRANS_BACKEND, or None for automatic."""
     name = _forced.get()
     if name is _FROM_ENV:
-        name = _getenv("FASTTRANS_BACKEND", b"FASTTRANS_BACKEND") or None
+        name = environ.getenv("FASTTRANS_BACKEND") or None
         if name is not None and name not in BACKENDS:
             raise ValueError(f"FASTTRANS_BACKEND={name!r}: expected one of {', '.join(BACKEND_NAMES)}")
     return name
@@ -322,7 +307,7 @@ def select_backend(op: str, device: torch.device | str, dtype: torch.dtype | Non
     if forced is not None:
         # Checked again whenever the environment its checks read changes: the one variable
         # they read (TRITON_INTERPRET) is part of the memo key; a failure is never memoised.
-        key = (forced, op, device, dtype, _getenv("TRITON_INTERPRET", b"TRITON_INTERPRET"))
+        key = (forced, op, device, dtype, environ.getenv("TRITON_INTERPRET"))
         backend = _forced_selection.get(key)
         if backend is None:
             backend = BACKENDS[forced]
