@@ -106,8 +106,8 @@ class _Plan:
 def _direct_launch(compiled) -> tuple:
     """(C launch function, its leading arguments) for a kernel whose launcher would only
     forward to it, or (None, None). Triton's CudaLauncher.__call__ allocates the scratch
-    buffers a kernel declares and then calls its C ``launch``; for a kernel with no scratch
-    (all of fasttrans's) that Python layer costs as much as the C launch itself. Its calling
+    buffers a kernel declares and then calls its C ``launch``; a kernel with no scratch (all
+    of fasttrans's) needs only the C call. Its calling
     convention differs between the Triton versions read (see PLANNED_VERSIONS), and any
     other launcher class keeps the full route."""
     try:
