@@ -2,15 +2,22 @@
 
 Tables of ``triton.Config`` per architecture, head-dim class and weight, with the fp32
 classes that run IEEE dots, the fixed configurations of the helper kernels and the one
-small configuration the interpreter runs. Why each entry is what it is: the comments below
-and ``python -m fasttrans compile-check``, which compiles every entry.
+small configuration the interpreter runs; and the launch keys the launchers and the
+compile targets (kernels/_attention_targets.py) share: the mask kinds and the dK/dV
+kernel's output groups. Why each entry is what it is: the comments below and ``python -m
+fasttrans compile-check``, which compiles every entry.
 """
 
 from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_EXACT_ROWS_CONFIGS", "DROPOUT_MASK_CONFIG", "INTERPRETER_CONFIGS"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_EXACT_ROWS_CONFIGS", "DROPOUT_MASK_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+
+# Mask kinds (the kernels' MASK_KIND constexpr)
+MASK_NONE = 0
+MASK_BOOL = 1  # True (stored as uint8 1) = may attend
+MASK_FLOAT = 2  # added to the scaled scores
 
 
 def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> triton.Config:
@@ -68,6 +75,14 @@ BWD_DKDV_CONFIGS = {
         (256, "heavy"): [_cfg(16, 32, 4, 1)],
     },
 }
+
+
+def dkdv_outputs(block_d: int) -> tuple[str, ...]:
+    """The dK/dV kernel's launches for a padded head dim, by their OUTPUT constexpr."""
+    # two fp32 (BLOCK_N, 256) accumulators do not fit in registers next to the rest
+    return ("dkdv",) if block_d <= 128 else ("dv", "dk")
+
+
 # dQ: one program per query tile (BLOCK_M), inner loop over key tiles (BLOCK_N).
 BWD_DQ_CONFIGS = {
     "sm_90": {

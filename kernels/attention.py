@@ -83,8 +83,6 @@ kilobytes of spill stores and loads per thread for them).
 from __future__ import annotations
 
 import functools
-import inspect
-import itertools
 
 import torch
 import triton
@@ -93,25 +91,20 @@ import triton.language as tl
 from fasttrans.dropout_spec import dropout_threshold
 from fasttrans.environ import getenv
 
-from . import capability, cdiv, device_index, next_power_of_2, on_device
+from . import _attention_targets, capability, cdiv, device_index, next_power_of_2, on_device
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
-    DROPOUT_MASK_CONFIG, INTERPRETER_CONFIGS,
+    DROPOUT_MASK_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
 __all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
 
 # --------------------------------------------------------------------------------------
-# Constants and launch keys (the configuration tables: kernels/_attention_configs.py)
+# Constants and launch keys (the configuration tables and mask kinds: kernels/_attention_configs.py)
 # --------------------------------------------------------------------------------------
-# Mask kinds (the MASK_KIND constexpr)
-MASK_NONE = 0
-MASK_BOOL = 1  # True (stored as uint8 1) = may attend
-MASK_FLOAT = 2  # added to the scaled scores
-
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x) = exp2(x * log2(e))
 # The largest float-mask magnitude that stays finite in log2 units (float32 max / log2(e),
 # rounded down): a finite mask value beyond it (torch.finfo(torch.float32).min, say) would
@@ -141,11 +134,6 @@ def _head_dim_class(block_d: int) -> int:
 
 def _weight(mask_kind: int, dropout: bool) -> str:
     return "heavy" if mask_kind != MASK_NONE or dropout else "light"
-
-
-def _dkdv_outputs(block_d: int) -> tuple[str, ...]:
-    # two fp32 (BLOCK_N, 256) accumulators do not fit in registers next to the rest
-    return ("dkdv",) if block_d <= 128 else ("dv", "dk")
 
 
 def _bucket(n: int) -> int:
@@ -1171,7 +1159,7 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
                 args[2], _spec_with(feats, OUTPUT=output))
-        for output in _dkdv_outputs(fc["BLOCK_D"]))
+        for output in dkdv_outputs(fc["BLOCK_D"]))
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                         args[3], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
     return pre_launch, exact_launch, dkdv, dq_launch
@@ -1192,121 +1180,12 @@ def attention_dropout_mask(q, k, dropout_p, seed):
 
 
 # --------------------------------------------------------------------------------------
-# Compile targets (python -m fasttrans compile-check)
+# Compile targets (python -m fasttrans compile-check; built in kernels/_attention_targets.py)
 # --------------------------------------------------------------------------------------
-# pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
-_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
-_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
-                "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
-_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
-                    dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
-                    precision: str | None = None, **extra) -> dict:
-    """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
-
-    light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
-    which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
-    and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
-    ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
-    """
-    if precision is None:
-        precision = "tf32x3" if dtype == torch.float32 else "ieee"
-    io = "*" + _TRITON_DTYPE[dtype]
-    params = _runtime_params(kernel)
-    constexprs = dict(cfg.kwargs, **extra)
-    if dclass is not None:
-        constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
-    if weight is not None:
-        heavy = weight == "heavy"
-        constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
-                          HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
-        if heavy:
-            constexprs["stride_mask_n"] = 1
-        if "MASK_GRAD" in kernel.arg_names:
-            constexprs["MASK_GRAD"] = heavy
-        constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
-    signature = {
-        p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
-        for p in params if p not in constexprs
-    }
-    parts = [f"d{dclass}" if dclass else None, weight, "m{BLOCK_M}".format(**cfg.kwargs),
-             "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,
-             f"w{cfg.num_warps}s{cfg.num_stages}", extra.get("OUTPUT") if extra.get("OUTPUT", "dkdv") != "dkdv"
-             else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None,
-             precision if dtype == torch.float32 and precision != "tf32x3" else None]
-    target = dict(
-        kernel=name, fn=kernel, config="-".join(x for x in parts if x), signature=signature, constexprs=constexprs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, matmul=matmul,
-        divisible_by_16=[p for p in signature if p.startswith("stride_")],
-    )
-    if archs is not None:
-        target["archs"] = list(archs)
-    if matmul and _wgmma_rows(kernel, cfg) < 64:
-        target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too
-    return target
-
-
-def _runtime_params(kernel) -> list[str]:
-    """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
-    functions carry no parsed parameters)."""
-    params = getattr(kernel, "params", None)
-    if params is not None:
-        return [p.name for p in params if not p.is_constexpr]
-    signature = inspect.signature(kernel.fn)
-    return [n for n, p in signature.parameters.items() if "constexpr" not in str(p.annotation)]
-
-
-def _wgmma_rows(kernel, cfg: triton.Config) -> int:
-    """The M dimension of a matmul kernel's dots: the key tile in the transposed dK/dV kernel,
-    the query tile elsewhere. wgmma (sm_90) needs >= 64; smaller tiles run mma.sync."""
-    return cfg.kwargs["BLOCK_N"] if kernel is _attention_bwd_dkdv_kernel else cfg.kwargs["BLOCK_M"]
-
-
 def compile_targets() -> list[dict]:
     """Every kernel in every shipped GPU configuration, for ``python -m fasttrans compile-check``."""
-    targets = []
-    for arch in ("sm_80", "sm_90"):
-        for stage, kernel, name, table, table_fp32 in (
-            ("fwd", _attention_fwd_kernel, "attention_fwd", FWD_CONFIGS, FWD_CONFIGS_FP32),
-            ("dkdv", _attention_bwd_dkdv_kernel, "attention_bwd_dkdv", BWD_DKDV_CONFIGS, BWD_DKDV_CONFIGS_FP32),
-            ("dq", _attention_bwd_dq_kernel, "attention_bwd_dq", BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32),
-        ):
-            def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None):
-                outputs = outputs or (_dkdv_outputs(dclass) if stage == "dkdv" else (None,))
-                return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
-                                        archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
-                        for c in cfgs for out in outputs]
-
-            for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
-                targets += builds(cfgs, dclass, weight)
-            # bf16 lowers through the same tensor-core paths; one build per kernel proves it
-            targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
-            # fp32: every entry of its own tables, in the precision its class runs
-            ieee = FP32_IEEE_CLASSES[stage][arch]
-            for (dclass, weight), cfgs in table_fp32[arch].items():
-                targets += builds(cfgs, dclass, weight, torch.float32, "ieee" if (dclass, weight) in ieee else "tf32x3")
-            # single TF32 (allow_tf32) holds half the operand registers of 3xTF32 in the same
-            # tiles; one build in the largest 3xTF32 class proves it lowers to tensor cores
-            dclass, weight = max((k for k in table_fp32[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))
-            first_output = (_dkdv_outputs(dclass)[0],) if stage == "dkdv" else None
-            targets += builds(table_fp32[arch][(dclass, weight)][:1], dclass, weight, torch.float32, "tf32",
-                              first_output)
-    for dclass, c in BWD_PREPROCESS_CONFIGS.items():
-        targets += [_compile_target(_attention_bwd_preprocess_kernel, "attention_bwd_preprocess", c, dclass, None,
-                                    dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
-    # rare, so tensor cores are not required; fp32 in the precision of the dQ kernel's class,
-    # whose scores it recomputes, and once in single TF32
-    for arch in ("sm_80", "sm_90"):
-        for (dclass, c), weight in itertools.product(BWD_EXACT_ROWS_CONFIGS.items(), ("light", "heavy")):
-            fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
-            for dtype, precision in ((torch.float16, None), (torch.float32, fp32)):
-                targets.append(_compile_target(_attention_bwd_exact_rows_kernel, "attention_bwd_exact_rows", c,
-                                               dclass, weight, dtype, matmul=False, archs=[arch], precision=precision))
-        targets.append(_compile_target(_attention_bwd_exact_rows_kernel, "attention_bwd_exact_rows",
-                                       BWD_EXACT_ROWS_CONFIGS[64], 64, "light", torch.float32, matmul=False,
-                                       archs=[arch], precision="tf32"))
-    targets.append(_compile_target(_attention_dropout_mask_kernel, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
-                                   None, None, matmul=False))
-    return targets
+    return _attention_targets.compile_targets(
+        fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
+        preprocess=_attention_bwd_preprocess_kernel, exact_rows=_attention_bwd_exact_rows_kernel,
+        dropout_mask=_attention_dropout_mask_kernel,
+    )

@@ -612,7 +612,7 @@ def test_fp32_compile_targets_cover_every_fp32_configuration():
             expected = []
             for (d, w), cfgs in table[arch].items():
                 ieee = (d, w) in K.FP32_IEEE_CLASSES[stage][arch]
-                outputs = K._dkdv_outputs(d) if stage == "dkdv" else (None,)
+                outputs = K.dkdv_outputs(d) if stage == "dkdv" else (None,)
                 expected += [(d, w, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], "ieee" if ieee else "tf32x3")
                              for c in cfgs for _ in outputs]
             got = [(t["constexprs"]["HEAD_DIM"], t["config"].split("-")[1], t["constexprs"]["BLOCK_M"],
@@ -722,7 +722,7 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
         K.attention_fwd(q, k, v, *args.values())
         out, lse = torch.zeros_like(q), torch.zeros(1, 2, 8)
         K.attention_bwd(torch.ones_like(q), q, k, v, out, lse, *args.values(), False)
-        stages = ["fwd"] + ["dkdv"] * len(K._dkdv_outputs(D)) + ["dq"]
+        stages = ["fwd"] + ["dkdv"] * len(K.dkdv_outputs(D)) + ["dq"]
         assert len(calls) == len(stages)
         weight = "heavy" if extra else "light"
         for stage, (key, constexprs) in zip(stages, calls):

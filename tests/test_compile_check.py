@@ -92,13 +92,14 @@ def fake_kernels(tmp_path, monkeypatch):
         import torch
         from fasttrans.kernels import attention as A
         from fasttrans.kernels._attention_configs import _cfg
+        from fasttrans.kernels._attention_targets import _compile_target
 
 
         def compile_targets():
             # a tile far too large for the registers (and shared memory) of one block
-            spills = A._compile_target(A._attention_fwd_kernel, "oversized_fwd", _cfg(256, 64, 4, 1), 128, "light")
+            spills = _compile_target(A._attention_fwd_kernel, "oversized_fwd", _cfg(256, 64, 4, 1), 128, "light")
             # fp32 operands with IEEE precision: the matmuls run on FMA units, not tensor cores
-            fma = A._compile_target(A._attention_fwd_kernel, "fp32_fwd", _cfg(32, 32, 4, 1), 64, "light")
+            fma = _compile_target(A._attention_fwd_kernel, "fp32_fwd", _cfg(32, 32, 4, 1), 64, "light")
             for name in ("Q", "K", "V", "Out", "Mask"):
                 fma["signature"][name] = "*fp32"
             return [spills, fma]

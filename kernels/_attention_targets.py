@@ -1,0 +1,142 @@
+"""The attention kernels' compile-check targets (``python -m fasttrans compile-check``).
+
+Every kernel of kernels/attention.py in every launch configuration of
+kernels/_attention_configs.py, each specialised for the worst case of its class.
+kernels/attention.py's ``compile_targets()`` passes its kernels in: this module does not
+import it, which would make the two import each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+import triton
+
+from ._attention_configs import (
+    FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
+    BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
+    DROPOUT_MASK_CONFIG, MASK_FLOAT, MASK_NONE, dkdv_outputs,
+)
+
+__all__ = ["compile_targets"]
+
+# pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
+_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
+_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
+                "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
+                    dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
+                    precision: str | None = None, **extra) -> dict:
+    """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
+
+    light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
+    which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
+    and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
+    ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
+    """
+    if precision is None:
+        precision = "tf32x3" if dtype == torch.float32 else "ieee"
+    io = "*" + _TRITON_DTYPE[dtype]
+    params = _runtime_params(kernel)
+    constexprs = dict(cfg.kwargs, **extra)
+    if dclass is not None:
+        constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
+    if weight is not None:
+        heavy = weight == "heavy"
+        constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
+                          HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
+        if heavy:
+            constexprs["stride_mask_n"] = 1
+        if "MASK_GRAD" in kernel.arg_names:
+            constexprs["MASK_GRAD"] = heavy
+        constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    signature = {
+        p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
+        for p in params if p not in constexprs
+    }
+    parts = [f"d{dclass}" if dclass else None, weight, "m{BLOCK_M}".format(**cfg.kwargs),
+             "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,
+             f"w{cfg.num_warps}s{cfg.num_stages}", extra.get("OUTPUT") if extra.get("OUTPUT", "dkdv") != "dkdv"
+             else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None,
+             precision if dtype == torch.float32 and precision != "tf32x3" else None]
+    target = dict(
+        kernel=name, fn=kernel, config="-".join(x for x in parts if x), signature=signature, constexprs=constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, matmul=matmul,
+        divisible_by_16=[p for p in signature if p.startswith("stride_")],
+    )
+    if archs is not None:
+        target["archs"] = list(archs)
+    if matmul and _wgmma_rows(name, cfg) < 64:
+        target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too
+    return target
+
+
+def _runtime_params(kernel) -> list[str]:
+    """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
+    functions carry no parsed parameters)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return [p.name for p in params if not p.is_constexpr]
+    signature = inspect.signature(kernel.fn)
+    return [n for n, p in signature.parameters.items() if "constexpr" not in str(p.annotation)]
+
+
+def _wgmma_rows(name: str, cfg: triton.Config) -> int:
+    """The M dimension of a matmul kernel's dots: the key tile in the transposed dK/dV kernel,
+    the query tile elsewhere. wgmma (sm_90) needs >= 64; smaller tiles run mma.sync."""
+    return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
+
+
+def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask) -> list[dict]:
+    """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
+    kernels/attention.py: the forward, dK/dV, dQ, preprocess, exact-rows and dropout-mask ones."""
+    targets = []
+    for arch in ("sm_80", "sm_90"):
+        for stage, kernel, name, table, table_fp32 in (
+            ("fwd", fwd, "attention_fwd", FWD_CONFIGS, FWD_CONFIGS_FP32),
+            ("dkdv", dkdv, "attention_bwd_dkdv", BWD_DKDV_CONFIGS, BWD_DKDV_CONFIGS_FP32),
+            ("dq", dq, "attention_bwd_dq", BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32),
+        ):
+            def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None):
+                outputs = outputs or (dkdv_outputs(dclass) if stage == "dkdv" else (None,))
+                return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
+                                        archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
+                        for c in cfgs for out in outputs]
+
+            for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
+                targets += builds(cfgs, dclass, weight)
+            # bf16 lowers through the same tensor-core paths; one build per kernel proves it
+            targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
+            # fp32: every entry of its own tables, in the precision its class runs
+            ieee = FP32_IEEE_CLASSES[stage][arch]
+            for (dclass, weight), cfgs in table_fp32[arch].items():
+                targets += builds(cfgs, dclass, weight, torch.float32, "ieee" if (dclass, weight) in ieee else "tf32x3")
+            # single TF32 (allow_tf32) holds half the operand registers of 3xTF32 in the same
+            # tiles; one build in the largest 3xTF32 class proves it lowers to tensor cores
+            dclass, weight = max((k for k in table_fp32[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))
+            first_output = (dkdv_outputs(dclass)[0],) if stage == "dkdv" else None
+            targets += builds(table_fp32[arch][(dclass, weight)][:1], dclass, weight, torch.float32, "tf32",
+                              first_output)
+    for dclass, c in BWD_PREPROCESS_CONFIGS.items():
+        targets += [_compile_target(preprocess, "attention_bwd_preprocess", c, dclass, None,
+                                    dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
+    # rare, so tensor cores are not required; fp32 in the precision of the dQ kernel's class,
+    # whose scores it recomputes, and once in single TF32
+    for arch in ("sm_80", "sm_90"):
+        for (dclass, c), weight in itertools.product(BWD_EXACT_ROWS_CONFIGS.items(), ("light", "heavy")):
+            fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
+            for dtype, precision in ((torch.float16, None), (torch.float32, fp32)):
+                targets.append(_compile_target(exact_rows, "attention_bwd_exact_rows", c,
+                                               dclass, weight, dtype, matmul=False, archs=[arch], precision=precision))
+        targets.append(_compile_target(exact_rows, "attention_bwd_exact_rows",
+                                       BWD_EXACT_ROWS_CONFIGS[64], 64, "light", torch.float32, matmul=False,
+                                       archs=[arch], precision="tf32"))
+    targets.append(_compile_target(dropout_mask, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
+                                   None, None, matmul=False))
+    return targets
