@@ -173,9 +173,10 @@ void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_
 }
 
 // dst[b, h, c, r] = src[b, h, r, c] for a (B, H, R, C) src with unit inner stride and a
-// contiguous (B, H, C, R) dst, converting the dtype on the way (rows are converted first,
-// then transposed in the dst dtype). In parallel over (b, h, block of kTile rows); each
-// kTile x kTile tile is one in-register transpose (transpose_tile).
+// (B, H, C, R) dst with unit inner stride, contiguous over (B, H) (see transposed_copy),
+// converting the dtype on the way (rows are converted first, then transposed in the dst
+// dtype). In parallel over (b, h, block of kTile rows); each kTile x kTile tile is one
+// in-register transpose (transpose_tile).
 template <typename S, typename T>
 void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
   constexpr int64_t kTile = 16;
@@ -183,6 +184,7 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
   const S* s = src.data_ptr<S>();
   T* d = dst.data_ptr<T>();
   const int64_t sb = src.stride(0), sh = src.stride(1), sr = src.stride(2);
+  const int64_t dh = dst.stride(1), ld = dst.stride(2);
   const int64_t n_rt = (R + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(kTile * C, 1));
   at::parallel_for(0, B * H * n_rt, grain, [&](int64_t begin, int64_t end) {
@@ -191,24 +193,36 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
       const int64_t bh = item / n_rt, b = bh / H, h = bh % H;
       const int64_t r0 = (item % n_rt) * kTile, rn = std::min(kTile, R - r0);
       const T* rows;
-      int64_t ld;
+      int64_t ld_rows;
       if constexpr (std::is_same_v<S, T>) {
         rows = s + b * sb + h * sh + r0 * sr;
-        ld = sr;
+        ld_rows = sr;
       } else {
         for (int64_t r = 0; r < rn; ++r) at::vec::convert(s + b * sb + h * sh + (r0 + r) * sr, converted.data() + r * C, C);
         rows = converted.data();
-        ld = C;
+        ld_rows = C;
       }
-      transpose_tile(rows, ld, d + bh * C * R + r0, R, rn, C);
+      transpose_tile(rows, ld_rows, d + bh * dh + r0, ld, rn, C);
     }
   });
 }
 
-// (B, H, L, D) -> (B, H, D, L) contiguous copy in the accumulation dtype.
+// The leading dimension for a K-major GEMM operand of L columns: rows a multiple of 1 KiB
+// apart map a tile's rows to the same few L1 sets, and the GEMM's loads of one tile evict each
+// other; one cache line more spreads them over every set.
+int64_t padded_ld(int64_t L, int64_t elem_size) {
+  const int64_t line = 64 / elem_size;
+  const int64_t ld = (L + line - 1) / line * line;
+  return (ld * elem_size) % 1024 == 0 ? ld + line : ld;
+}
+
+// (B, H, L, D) -> a (B, H, D, L) copy in the accumulation dtype, unit inner stride, rows
+// padded_ld apart: read its leading dimension from stride(2).
 at::Tensor transposed_copy(const at::Tensor& t_in, at::ScalarType acc) {
   const at::Tensor t = rows_in_place(t_in);
-  at::Tensor out = cpu::empty({t.size(0), t.size(1), t.size(3), t.size(2)}, t.options().dtype(acc));
+  const int64_t L = t.size(2);
+  const int64_t ld = padded_ld(L, c10::elementSize(acc));
+  at::Tensor out = cpu::empty({t.size(0), t.size(1), t.size(3), ld}, t.options().dtype(acc)).narrow(3, 0, L);
   if (out.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "attention_transpose", [&] {
     if (acc == at::kDouble) {
@@ -233,12 +247,12 @@ struct Rows {
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
-// K^T, the K-major B operand of S = Q K^T, comes either from one transposed copy of K made
-// per call, or, when a head has a single query block, from each tile of K transposed into
-// an L1-resident buffer as it is visited. The copy pays once per call for every query block
-// of a head; with one block per head nothing amortises it and it only adds a round trip of
-// K through memory: with a single query (incremental decoding, B=4 H=8 Lk=1024 D=64) the
-// copy's transposes took 27% of a perf profile's samples, the rest of the forward 1.4%.
+// K^T, the K-major B operand of S = Q K^T, comes either from a per-thread transposed copy of
+// the visible keys of the head at hand, made when a thread's first block of that head (or kv
+// head, under GQA) starts and reused by its later ones, or, when a head has a single query
+// block, from each tile of K transposed into an L1-resident buffer as it is visited. The
+// head's copy (D x Lk) stays in L2 for the blocks that share it, skips padded keys and needs
+// no call-wide buffer; with one block per head nothing would amortise it.
 //
 // A block of at most kFwdDotRows query rows takes its scores as dot products with the rows
 // of K and transposes nothing (dots() in common.h: sixteen keys per reduce-transpose, about
@@ -251,8 +265,7 @@ bool fwd_transposes_tiles(int64_t Lq) {
   return tile_for(Lq, kFwdBlockM) >= Lq;
 }
 
-// kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D) when fwd_transposes_tiles(Lq),
-// else the transposed copy (B, Hkv, D, Lk).
+// kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D).
 template <typename scalar_t>
 void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Tensor& kn, const at::Tensor& vn,
                           at::Tensor& out, at::Tensor& lse) {
@@ -262,9 +275,10 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
   const int64_t BN = kFwdBlockN;
   const int64_t n_qb = (p.Lq + BM - 1) / BM;
   const bool tile_transpose = fwd_transposes_tiles(p.Lq);
+  constexpr int64_t W = Vec<T>::size();
 
   const Rows<const scalar_t> q_rows(q);
-  const T* kt_data = tile_transpose ? nullptr : kn.data_ptr<T>();  // (B, Hkv, D, Lk)
+  const int64_t ld_kt = padded_ld(Lk, sizeof(T));  // of a head's K^T copy (D x Lk)
   const Rows<const T> k_rows(kn);                                    // (B, Hkv, Lk, D)
   const Rows<const T> v_rows(vn);
   const int64_t ld_v = vn.stride(2);
@@ -272,16 +286,18 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
   T* lse_data = lse.data_ptr<T>();  // (B, H, Lq)
 
   struct Scratch {
-    std::vector<T> q, kt, s, o, m, l, row;
+    std::vector<T> q, kt, s, o, m, l, sum, row;
+    int64_t kt_head = -1;  // the kv head (b * Hkv + hk) whose K^T kt holds, when !tile_transpose
   };
   auto make_scratch = [&] {
     Scratch s;
     s.q.resize(BM * D);
-    s.kt.resize(tile_transpose ? D * BN : 0);
+    s.kt.resize(tile_transpose ? D * BN : D * ld_kt);
     s.s.resize(BM * BN);
     s.o.resize(BM * D);
     s.m.resize(BM);
-    s.l.resize(BM);
+    s.l.resize(BM * W);
+    s.sum.resize(BM);
     s.row.resize(BN);
     return s;
   };
@@ -304,7 +320,10 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
     }
 
     for (int64_t r = 0; r < bm; ++r) load_scaled(q_rows(b, h, i0 + r), s.q.data() + r * D, D, T(1));
-    const T* kt_head = tile_transpose ? nullptr : kt_data + (b * p.Hkv + hk) * D * Lk;
+    if (!tile_transpose && s.kt_head != b * p.Hkv + hk) {
+      transpose_tile(k_rows(b, hk, 0), k_rows.si, s.kt.data(), ld_kt, p.kv_len(b), D);
+      s.kt_head = b * p.Hkv + hk;
+    }
 
     // exact: the probabilities by std::exp, which keeps the subnormal ones exp_u20 flushes to 0
     auto visit_keys = [&](bool exact) {
@@ -319,12 +338,15 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
           transpose_tile(k_rows(b, hk, j0), k_rows.si, s.kt.data(), BN, bn, D);
           gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data(), BN, s.s.data(), BN, false);  // S = Q K^T
         } else {
-          gemm_nn(bm, bn, D, s.q.data(), D, kt_head + j0, Lk, s.s.data(), BN, false);
+          gemm_nn(bm, bn, D, s.q.data(), D, s.kt.data() + j0, ld_kt, s.s.data(), BN, false);
         }
         // scaled after the products, as the reference's (q . k) * scale: a scaled q can overflow
-        // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf)
-        for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
-
+        // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf). Without a
+        // mask or the diagonal the scaling rides on the row max's pass below.
+        const bool masked = p.mask || p.crosses_diagonal(i0, j0 + bn - 1);
+        if (masked) {
+          for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
+        }
         if (p.mask) {
           for (int64_t r = 0; r < bm; ++r) {
             load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
@@ -340,22 +362,33 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 
         for (int64_t r = 0; r < bm; ++r) {
           T* srow = s.s.data() + r * BN;
-          const T m_new = nan_max(s.m[r], row_max(srow, bn));
+          T* lrow = s.l.data() + r * W;  // the row's sum of weights, lane by lane
+          const T tile_max = masked ? row_max(srow, bn) : scale_row_max(srow, bn, T(p.scale));
+          const T m_new = nan_max(s.m[r], tile_max);
           if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
             std::fill(srow, srow + bn, T(0));
             continue;
           }
           if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
             std::fill(srow, srow + bn, m_new);
-            s.m[r] = s.l[r] = m_new;
+            s.m[r] = m_new;
+            std::fill(lrow, lrow + W, m_new);
             scale_row(s.o.data() + r * D, D, m_new);
             continue;
           }
-          const T alpha = std::exp(s.m[r] - m_new);  // 0 while the row was empty
-          const T row_sum = exact ? exp_sub_sum_exact(srow, bn, m_new) : exp_sub_sum(srow, bn, m_new);
-          s.l[r] = s.l[r] * alpha + row_sum;
-          s.m[r] = m_new;
-          if (alpha != T(1)) scale_row(s.o.data() + r * D, D, alpha);
+          Vec<T> l = Vec<T>::loadu(lrow);
+          if (m_new != s.m[r]) {  // rescale what the earlier tiles summed (by 0 while the row was empty)
+            const T alpha = std::exp(s.m[r] - m_new);
+            l = l * Vec<T>(alpha);
+            scale_row(s.o.data() + r * D, D, alpha);
+            s.m[r] = m_new;
+          }
+          if (exact) {
+            l = l + Vec<T>::set(Vec<T>(T(0)), Vec<T>(exp_sub_sum_exact(srow, bn, m_new)), 1);
+          } else {
+            l = l + exp_sub_lanes(srow, bn, m_new);
+          }
+          l.store(lrow);
           if (p.dropout.enabled) {  // l keeps the undropped sum: dropout acts after the softmax
             dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
             for (int64_t c = 0; c < bn; ++c) srow[c] *= s.row[c];
@@ -363,6 +396,7 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         }
         gemm_nn(bm, D, bn, s.s.data(), BN, v_rows(b, hk, j0), ld_v, s.o.data(), D, true);  // O += P V
       }
+      for (int64_t r = 0; r < bm; ++r) s.sum[r] = lane_sum(Vec<T>::loadu(s.l.data() + r * W));
     };
     visit_keys(false);
     // A weight below FLT_MIN flushed to 0 meets an inf in v as 0 * inf = NaN where the exact
@@ -371,9 +405,9 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 
     for (int64_t r = 0; r < bm; ++r) {
       scalar_t* orow = out_rows(b, h, i0 + r);
-      if (!(s.l[r] == T(0))) {  // NaN scores give NaN rows, as in the reference
-        store_scaled(s.o.data() + r * D, orow, D, static_cast<T>(p.dropout.inv_keep / s.l[r]));
-        lse_row[r] = s.m[r] + std::log(s.l[r]);
+      if (!(s.sum[r] == T(0))) {  // NaN scores give NaN rows, as in the reference
+        store_scaled(s.o.data() + r * D, orow, D, static_cast<T>(p.dropout.inv_keep / s.sum[r]));
+        lse_row[r] = s.m[r] + std::log(s.sum[r]);
       } else {
         std::fill(orow, orow + D, scalar_t(0));
         lse_row[r] = std::numeric_limits<T>::infinity();
@@ -388,8 +422,9 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 template <typename T>
 struct BwdOperands {
   Rows<const T> q, dout, k, v;      // natural layout rows (B, H|Hkv, L, D)
-  const T* qt;                      // (B, H, D, Lq)
-  const T* dout_t;                  // (B, H, D, Lq)
+  const T* qt;                      // (B, H, D, Lq), rows ld_t apart
+  const T* dout_t;                  // (B, H, D, Lq), rows ld_t apart
+  int64_t ld_t;
   const T* lse;                     // (B, H, Lq): lse, or the row max m where lse_lo is log l
   const T* lse_lo;                  // (B, H, Lq) or null: see exact_large_lse
   const T* delta;                   // (B, H, Lq)
@@ -420,7 +455,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   constexpr int64_t W = Vec<T>::size();
 
   // S^T = K_j Q_i^T, then scale (+ mask), hidden entries -inf
-  gemm_nn(bn, bm, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * Lq + i0, Lq, st, BM, false);
+  gemm_nn(bn, bm, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
   for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
   if (p.mask) {
     for (int64_t r = 0; r < bm; ++r) {
@@ -488,7 +523,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (want_dkdv) gemm_nn(bn, D, bm, pd, BM, dout_i, x.dout.si, s.dv.data(), D, true);  // dV += Pd^T dO
 
   // dP^T = V_j dO_i^T;  dS^T = P^T * (dP^T * keep / (1 - p) - delta)
-  gemm_nn(bn, bm, D, x.v(b, hk, j0), x.v.si, x.dout_t + bh * D * Lq + i0, Lq, dpt, BM, false);
+  gemm_nn(bn, bm, D, x.v(b, hk, j0), x.v.si, x.dout_t + bh * D * x.ld_t + i0, x.ld_t, dpt, BM, false);
   const T* delta = x.delta + bh * Lq + i0;
   for (int64_t c = 0; c < bn; ++c) {
     T* dp = dpt + c * BM;
@@ -681,7 +716,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
   at::Tensor out = cpu::empty(q.sizes(), q.options());  // contiguous
   at::Tensor lse = cpu::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
   if (out.numel() == 0) return {out, lse};
-  const at::Tensor kn = fwd_transposes_tiles(p.Lq) ? rows_as(k, acc) : transposed_copy(k, acc);
+  const at::Tensor kn = rows_as(k, acc);
   const at::Tensor vn = rows_as(v, acc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_fwd_extension", [&] {
     attention_fwd_kernel<scalar_t>(p, q, kn, vn, out, lse);
@@ -739,6 +774,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                            Rows<const T>(vn),
                            qt.data_ptr<T>(),
                            dout_t.data_ptr<T>(),
+                           qt.stride(2),
                            lse_c.data_ptr<T>(),
                            lse_lo.defined() ? lse_lo.data_ptr<T>() : nullptr,
                            delta.data_ptr<T>(),

@@ -74,10 +74,36 @@ inline void gemm_nn(int64_t M, int64_t N, int64_t K, const double* A, int64_t ld
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite), exp(r) by
+// the degree-5 minimax polynomial exp_u20 uses, 2^n applied by vscalefps, in 11 instructions
+// against exp_u20's 19. Like exp_u20 it gives 0, never a subnormal, below ln(FLT_MIN) (-inf
+// included), which the attention kernels rely on; NaN stays NaN.
+inline __m512 exp_avx512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high bits exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(0.00828929059f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  // x >= the least float whose exp is >= FLT_MIN, or NaN
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654022216797f), _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+#endif
+
 template <typename T>
 inline Vec<T> vexp(const Vec<T>& x) {
   if constexpr (std::is_same_v<T, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return Vec<T>(exp_avx512(x));
+#else
     return x.exp_u20();  // ~20 ulp polynomial; exp(-inf) = 0 (attention probabilities)
+#endif
   } else {
     return x.exp();
   }
@@ -97,32 +123,106 @@ inline T nan_max(T a, T b) {
   return (a >= b || std::isnan(a)) ? a : b;
 }
 
+// Lanes past n of a partial load, as -inf: they leave a max unchanged.
+template <typename T>
+inline Vec<T> load_or_neg_inf(const T* x, int64_t n) {
+  return Vec<T>::set(Vec<T>(neg_inf<T>()), Vec<T>::loadu(x, n), n);
+}
+
+// Max of a vector's lanes by a shuffle tree; at::vec::maximum propagates NaN, as nan_max does.
 template <typename T>
 inline T lane_max(const Vec<T>& v) {
-  alignas(64) T tmp[Vec<T>::size()];
-  v.store(tmp);
-  T m = tmp[0];
-  for (int64_t k = 1; k < Vec<T>::size(); ++k) m = nan_max(m, tmp[k]);
-  return m;
+  return at::vec::vec_reduce_all<T>([](const Vec<T>& a, const Vec<T>& b) { return at::vec::maximum(a, b); }, v);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// row_max / scale_row_max for fp32: plain vmaxps, with NaNs tracked in a mask register (one
+// compare per two vectors) instead of at::vec::maximum's compare-and-blend at every step.
+template <bool kScale>
+inline float row_max_avx512(const float* x, float* dst, int64_t n, float a) {  // dst: x scaled
+  const __m512 va = _mm512_set1_ps(a), lowest = _mm512_set1_ps(neg_inf<float>());
+  __m512 m0 = lowest, m1 = lowest;
+  __mmask16 nan = 0;
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    __m512 v0 = _mm512_loadu_ps(x + k), v1 = _mm512_loadu_ps(x + k + 16);
+    if constexpr (kScale) {
+      v0 = _mm512_mul_ps(v0, va);
+      v1 = _mm512_mul_ps(v1, va);
+      _mm512_storeu_ps(dst + k, v0);
+      _mm512_storeu_ps(dst + k + 16, v1);
+    }
+    nan |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q);
+    m0 = _mm512_max_ps(m0, v0);
+    m1 = _mm512_max_ps(m1, v1);
+  }
+  for (; k < n; k += 16) {
+    const __mmask16 t = k + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - k)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(t, x + k);
+    if constexpr (kScale) {
+      v = _mm512_mul_ps(v, va);
+      _mm512_mask_storeu_ps(dst + k, t, v);
+    }
+    nan |= _mm512_mask_cmp_ps_mask(t, v, v, _CMP_UNORD_Q);
+    m0 = _mm512_max_ps(m0, _mm512_mask_blend_ps(t, lowest, v));
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+#endif
 
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return row_max_avx512<false>(x, nullptr, n, 1.f);
+#endif
   constexpr int64_t W = Vec<T>::size();
+  // two accumulators: one would make the row's loads a chain of dependent max latencies
+  Vec<T> m0(neg_inf<T>()), m1(neg_inf<T>());
   int64_t k = 0;
-  T m = neg_inf<T>();
-  if (n >= W) {
-    Vec<T> vm = Vec<T>::loadu(x);
-    for (k = W; k + W <= n; k += W) vm = at::vec::maximum(vm, Vec<T>::loadu(x + k));
-    m = lane_max(vm);
+  for (; k + 2 * W <= n; k += 2 * W) {
+    m0 = at::vec::maximum(m0, Vec<T>::loadu(x + k));
+    m1 = at::vec::maximum(m1, Vec<T>::loadu(x + k + W));
   }
-  for (; k < n; ++k) m = nan_max(m, x[k]);
-  return m;
+  for (; k + W <= n; k += W) m0 = at::vec::maximum(m0, Vec<T>::loadu(x + k));
+  if (k < n) m1 = at::vec::maximum(m1, load_or_neg_inf(x + k, n - k));
+  return lane_max(at::vec::maximum(m0, m1));
 }
 
-// x[k] = exp(x[k] - m); returns the sum of the new x.
+// x[k] *= a, returning the row's max afterwards (row_max of the scaled row) in the same pass.
 template <typename T>
-inline T exp_sub_sum(T* x, int64_t n, T m) {
+inline T scale_row_max(T* x, int64_t n, T a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return row_max_avx512<true>(x, x, n, a);
+#endif
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> va(a);
+  Vec<T> m0(neg_inf<T>()), m1(neg_inf<T>());
+  int64_t k = 0;
+  for (; k + 2 * W <= n; k += 2 * W) {
+    const Vec<T> v0 = Vec<T>::loadu(x + k) * va, v1 = Vec<T>::loadu(x + k + W) * va;
+    v0.store(x + k);
+    v1.store(x + k + W);
+    m0 = at::vec::maximum(m0, v0);
+    m1 = at::vec::maximum(m1, v1);
+  }
+  for (; k + W <= n; k += W) {
+    const Vec<T> v = Vec<T>::loadu(x + k) * va;
+    v.store(x + k);
+    m0 = at::vec::maximum(m0, v);
+  }
+  if (k < n) {
+    const Vec<T> v = Vec<T>::loadu(x + k, n - k) * va;
+    v.store(x + k, n - k);
+    m1 = at::vec::maximum(m1, Vec<T>::set(Vec<T>(neg_inf<T>()), v, n - k));
+  }
+  return lane_max(at::vec::maximum(m0, m1));
+}
+
+// x[k] = exp(x[k] - m); returns the new x's lane-wise partial sums (lanes past n excluded), so
+// that a caller accumulating over many rows' tiles reduces across lanes once, at the end.
+template <typename T>
+inline Vec<T> exp_sub_lanes(T* x, int64_t n, T m) {
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> vm(m);
   Vec<T> acc(T(0));
@@ -136,13 +236,15 @@ inline T exp_sub_sum(T* x, int64_t n, T m) {
     Vec<T> e = vexp(Vec<T>::loadu(x + k, n - k) - vm);
     e.store(x + k, n - k);
     // lanes past n were loaded as 0 and became exp(-m): keep them out of the sum
-    alignas(64) T tmp[W];
-    e.store(tmp);
-    T s = lane_sum(acc);
-    for (int64_t t = 0; t < n - k; ++t) s += tmp[t];
-    return s;
+    acc = acc + Vec<T>::set(Vec<T>(T(0)), e, n - k);
   }
-  return lane_sum(acc);
+  return acc;
+}
+
+// x[k] = exp(x[k] - m); returns the sum of the new x.
+template <typename T>
+inline T exp_sub_sum(T* x, int64_t n, T m) {
+  return lane_sum(exp_sub_lanes(x, n, m));
 }
 
 // exp_sub_sum by std::exp: the results below FLT_MIN, which exp_u20 flushes to 0, stay
