@@ -7,6 +7,7 @@ schedules and fp64 gradcheck. Low precision follows the 2x rule of tests/helpers
 The CUDA kernels run the same checks under ``pytest -m gpu``.
 """
 
+import os
 
 import pytest
 import torch
@@ -371,6 +372,52 @@ def test_backward_is_deterministic(ext, schedule):
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
+
+
+def _thread_cpu_ticks() -> dict[str, int]:
+    """CPU time (utime + stime, in clock ticks) of each thread of this process, from /proc."""
+    ticks = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+        except FileNotFoundError:  # a thread that ended
+            continue
+        ticks[task] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads per-thread CPU time from Linux's /proc")
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_one_long_sequence_is_split_over_threads(ext, phase):
+    # B = H = 1: the only work to share is along the sequence (the forward's query blocks; the
+    # backward's split schedule, chosen because one (batch, kv head) item cannot fill 2 threads)
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 1, 1, 2048, 2048, 64, torch.float32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        used: dict[str, int] = {}
+        for _ in range(200):  # until the shares are read from enough clock ticks
+            if phase == "forward":
+                before = _thread_cpu_ticks()
+                with torch.no_grad():
+                    _extension(q, k, v, is_causal=True)
+            else:
+                loss = _extension(q, k, v, is_causal=True).sum()
+                before = _thread_cpu_ticks()
+                loss.backward()
+            after = _thread_cpu_ticks()
+            for task, t in after.items():
+                used[task] = used.get(task, 0) + t - before.get(task, t)
+            if sum(used.values()) >= 60:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    shares = sorted(used.values(), reverse=True)
+    total = sum(shares)
+    assert total >= 60
+    # split, not necessarily even: another process may hold a core
+    assert shares[1] >= 0.1 * total, f"CPU ticks per thread {shares}: the work stayed on one thread"
 
 
 # ---------------------------------------------------------------------------------------
