@@ -287,19 +287,25 @@ def _online_softmax_step(s, l_i, m_i):
 
 @triton.jit
 def _attention_fwd_inner(
-    acc, l_i, m_i,  # running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
+    state,  # (acc, l_i, m_i): running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
     q,  # (BLOCK_M, BLOCK_D) query tile
-    K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
-    Mask_rows,  # the dense mask at (batch, head, first row of the tile, key 0)
-    offs_m, row_ok, d_ok,  # query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
+    tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
+    keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    dropout,  # (dropout_p, dropout_threshold, seed)
     off_b, off_h,  # batch and head (the dropout mask's counter)
-    lo, hi, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-    stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+    lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    acc, l_i, m_i = state
+    offs_m, row_ok, d_ok = tile
+    K_head, stride_k_n = keys
+    V_head, stride_v_n = values
+    Mask_rows, stride_mask_m, stride_mask_n = mask
+    dropout_p, dropout_threshold, seed = dropout
     # Tile pointers are rebuilt each iteration from scalar bases: a loop-carried pointer tensor
     # would hold a 64-bit address per element in registers.
     offs_n = tl.arange(0, BLOCK_N)
@@ -372,16 +378,19 @@ def _attention_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     qk_scale = scale * LOG2E
 
+    tile = (offs_m, row_ok, d_ok)
+    keys = (K_head, stride_k_n)
+    values = (V_head, stride_v_n)
+    mask = (Mask_rows, stride_mask_m, stride_mask_n)
+    dropout = (dropout_p, dropout_threshold, seed)
     acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, off_b, off_h,
-        0, full_end, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
+        0, full_end, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
     )
     acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, Mask_rows, offs_m, row_ok, d_ok, off_b, off_h,
-        full_end, hi, kv_len, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
+        full_end, hi, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
     )
 
@@ -521,22 +530,31 @@ def _attention_bwd_exact_rows_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_inner(
-    dk, dv,  # (BLOCK_N, BLOCK_D) fp32 accumulators
+    acc,  # (dk, dv): (BLOCK_N, BLOCK_D) fp32 accumulators
     k, v,  # (BLOCK_N, BLOCK_D) key/value tile
-    Q_b, DO_b,  # this batch's queries and output gradients at (head 0, row 0)
-    Mask_b,  # the dense mask at (batch, head 0, row 0, first key of the tile)
-    Hi_b, Delta_b,  # this batch's (H, Lq) hi and r delta (see the module docstring)
-    cols, col_ok, d_ok,  # key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
+    tile,  # (cols, col_ok, d_ok): key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
+    queries, grads,  # (Q_b, stride_q_h, stride_q_m), (DO_b, stride_do_h, stride_do_m): this batch at (head 0, row 0)
+    mask,  # (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n): at (batch, head 0, row 0, first key of the tile)
+    stats,  # (Hi_b, Delta_b): this batch's (H, Lq) hi and r delta (see the module docstring)
+    dropout,  # (dropout_p, dropout_threshold, seed)
     off_b,  # batch (the dropout mask's counter)
-    head0, GROUP, lo, num_tiles,  # query heads head0 .. head0 + GROUP - 1, each over num_tiles tiles from lo
-    Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-    stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+    heads,  # (head0, GROUP): query heads head0 .. head0 + GROUP - 1
+    lo, num_tiles,  # each head's num_tiles query tiles from row lo
+    Lq, causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     OUTPUT: tl.constexpr,  # "dkdv", or "dk" / "dv" alone (one accumulator: large head dims)
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    dk, dv = acc
+    cols, col_ok, d_ok = tile
+    Q_b, stride_q_h, stride_q_m = queries
+    DO_b, stride_do_h, stride_do_m = grads
+    Mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
+    Hi_b, Delta_b = stats
+    dropout_p, dropout_threshold, seed = dropout
+    head0, GROUP = heads
     # One flat loop over (query head of the group, query tile), heads in a fixed order: a
     # nested loop over heads would keep two pipelined loops' state alive at once.
     # Everything is computed transposed, (key columns, query rows), so that every matmul has
@@ -658,19 +676,22 @@ def _attention_bwd_dkdv_kernel(
     DO_b = DO + off_b * stride_do_b
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
     rows_b = off_b * H * Lq  # this batch's first row of hi and delta
-    head0 = off_hkv * GROUP
+    heads = (off_hkv * GROUP, GROUP)
+    stats = (Hi + rows_b, Delta + rows_b)
+    tile = (cols, col_ok, d_ok)
+    queries = (Q_b, stride_q_h, stride_q_m)
+    grads = (DO_b, stride_do_h, stride_do_m)
+    mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n)
+    dropout = (dropout_p, dropout_threshold, seed)
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Hi + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
-        head0, GROUP, lo, (split - lo) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-        stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+        lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
     dk, dv = _attention_bwd_dkdv_inner(
-        dk, dv, k, v, Q_b, DO_b, Mask_b, Hi + rows_b, Delta + rows_b, cols, col_ok, d_ok, off_b,
-        head0, GROUP, split, (end - split) // BLOCK_M, Lq, Lk, causal_offset, qk_scale, dropout_p,
-        dropout_threshold, seed,
-        stride_q_h, stride_q_m, stride_do_h, stride_do_m, stride_mask_h, stride_mask_m, stride_mask_n,
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+        split, (end - split) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
@@ -690,17 +711,26 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_inner(
     dq,  # (BLOCK_M, BLOCK_D) fp32 accumulator
-    q, do, row_hi, delta,  # query tile, its output gradient, hi and delta rows
-    K_head, V_head,  # this (batch, kv head)'s keys and values at key 0
-    Mask_rows, DMask_rows,  # the dense mask / its gradient at (batch, head, first row of the tile, key 0)
-    offs_m, row_ok, d_ok, off_b, off_h,
-    lo, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-    stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+    query_rows,  # (q, do, row_hi, delta): query tile, its output gradient, hi and delta rows
+    tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
+    keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    dmask,  # (DMask_rows, Lk): its gradient at the same place, contiguous rows of Lk keys
+    dropout,  # (dropout_p, dropout_threshold, seed)
+    off_b, off_h,  # batch and head (the dropout mask's counter)
+    lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    q, do, row_hi, delta = query_rows
+    offs_m, row_ok, d_ok = tile
+    K_head, stride_k_n = keys
+    V_head, stride_v_n = values
+    Mask_rows, stride_mask_m, stride_mask_n = mask
+    DMask_rows, Lk = dmask
+    dropout_p, dropout_threshold, seed = dropout
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
@@ -785,17 +815,22 @@ def _attention_bwd_dq_kernel(
     qk_scale = scale * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
+    query_rows = (q, do, row_hi, delta)
+    tile = (offs_m, row_ok, d_ok)
+    keys = (K_head, stride_k_n)
+    values = (V_head, stride_v_n)
+    mask = (Mask_rows, stride_mask_m, stride_mask_n)
+    dmask = (DMask_rows, Lk)
+    dropout = (dropout_p, dropout_threshold, seed)
     dq = _attention_bwd_dq_inner(
-        dq, q, do, row_hi, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
-        0, full_end, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
+        0, full_end, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
         DOT_FP32, INPUT_PRECISION,
     )
     dq = _attention_bwd_dq_inner(
-        dq, q, do, row_hi, delta, K_head, V_head, Mask_rows, DMask_rows, offs_m, row_ok, d_ok, off_b, off_h,
-        full_end, hi, kv_len, Lk, causal_offset, qk_scale, dropout_p, dropout_threshold, seed,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n,
+        dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
+        full_end, hi, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
         DOT_FP32, INPUT_PRECISION,
     )
