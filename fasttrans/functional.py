@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from . import backends, reference
+from . import backends
 from .backends import mask_helpers, use_backend  # for the layers above: mask checks, backend control
 
 __all__ = [
@@ -121,6 +121,7 @@ def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple
 # (it would read as a zero derivative), and torch.func.grad / jacrev raise inside it. Calls
 # under such a transform are computed by the reference implementation instead, whose
 # PyTorch ops every transform can differentiate (eager only; vmap alone keeps the kernels).
+_reference = backends.reference_impl()  # the reference's whole-op forms, plain PyTorch
 _reference_warned: set[str] = set()  # the keys of the fallbacks that have warned
 
 
@@ -422,7 +423,7 @@ def attention_weights(
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale)
     causal_offset = _causal_offset(causal_offset, q, k)
     q, k, _, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
-    return reference.attention_probs(
+    return _reference.attention_probs(
         q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
         causal_offset=causal_offset, scale=scale,
     ).to(q.dtype)
@@ -649,9 +650,9 @@ def layer_norm(
         return out[0]
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
-        return reference.layer_norm(x, shape, weight, bias, eps)
+        return _reference.layer_norm(x, shape, weight, bias, eps)
     if _on_reference_under_transform("layer_norm", x, weight, bias):
-        return reference.layer_norm(x, shape, weight, bias, eps)
+        return _reference.layer_norm(x, shape, weight, bias, eps)
     return _norm(x, None, weight, bias, eps, False, shape[0] if len(shape) == 1 else math.prod(shape))[0]
 
 
@@ -677,9 +678,9 @@ def add_layer_norm(
         raise ShapeError("x: expected at least one dimension, got a scalar")
     shape = _validate_norm(x, (x.shape[-1],), weight, bias, eps, residual)
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
-        return reference.add_layer_norm(x, residual, weight, bias, eps)
+        return _reference.add_layer_norm(x, residual, weight, bias, eps)
     if _on_reference_under_transform("add_layer_norm", x, residual, weight, bias):
-        return reference.add_layer_norm(x, residual, weight, bias, eps)
+        return _reference.add_layer_norm(x, residual, weight, bias, eps)
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
 
@@ -699,11 +700,11 @@ def rms_norm(
         return out[0]
     shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)
     if eps is None:
-        eps = torch.finfo(reference.accumulation_dtype(x)).eps
+        eps = torch.finfo(_reference.accumulation_dtype(x)).eps
     if x.numel() == 0:  # nothing to normalise: empty outputs, as torch returns
-        return reference.rms_norm(x, shape, weight, eps)
+        return _reference.rms_norm(x, shape, weight, eps)
     if _on_reference_under_transform("rms_norm", x, weight):
-        return reference.rms_norm(x, shape, weight, eps)
+        return _reference.rms_norm(x, shape, weight, eps)
     return _norm(x, None, weight, None, eps, True, shape[0] if len(shape) == 1 else math.prod(shape))[0]
 
 

@@ -293,6 +293,14 @@ def dropout_keep(seed: int, p: float, shape, device: torch.device | str | None =
 class ReferenceImpl:
     """Backend interface on top of fasttrans.reference; gradients by autograd on recompute."""
 
+    # whole-op forms for fasttrans.functional's fallbacks (empty inputs, torch.func transforms),
+    # reached through backends.reference_impl(): plain PyTorch that autograd sees through
+    attention_probs = staticmethod(attention_probs)
+    layer_norm = staticmethod(layer_norm)
+    add_layer_norm = staticmethod(add_layer_norm)
+    rms_norm = staticmethod(rms_norm)
+    accumulation_dtype = staticmethod(accumulation_dtype)
+
     @staticmethod
     def attention_dropout_mask(q, k, dropout_p, seed):
         B, H, Lq, _ = q.shape
