@@ -286,13 +286,14 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
   T* lse_data = lse.data_ptr<T>();  // (B, H, Lq)
 
   struct Scratch {
-    std::vector<T> q, kt, s, o, m, l, sum, row;
+    std::vector<T> q, s, o, m, l, sum, row;
+    cpu::ScratchBuffer<T> kt;  // a whole head's K^T at long key lengths: cached, not faulted in per call
     int64_t kt_head = -1;  // the kv head (b * Hkv + hk) whose K^T kt holds, when !tile_transpose
   };
   auto make_scratch = [&] {
     Scratch s;
     s.q.resize(BM * D);
-    s.kt.resize(tile_transpose ? D * BN : D * ld_kt);
+    s.kt = cpu::ScratchBuffer<T>(tile_transpose ? D * BN : D * ld_kt);
     s.s.resize(BM * BN);
     s.o.resize(BM * D);
     s.m.resize(BM);

@@ -13,13 +13,44 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorOptions.h>
 
+#include <cstddef>
 #include <vector>
 
 namespace fasttrans::cpu {
 
+// Blocks of this size or more are cached; smaller ones stay with torch's allocator.
+constexpr size_t kMinCachedBytes = size_t{1} << 20;
+
 // at::empty / at::zeros for kernel outputs (CPU, contiguous)
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 at::Tensor zeros(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// A kernel's working memory for one call, n elements of T: from the cache when it is big
+// enough to be cached (so a loop of calls does not fault it back in), from malloc otherwise.
+template <typename T>
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  explicit ScratchBuffer(size_t n) {
+    if (n * sizeof(T) >= kMinCachedBytes) {
+      block_ = empty({static_cast<int64_t>(n * sizeof(T))}, at::TensorOptions().dtype(at::kByte));
+      data_ = static_cast<T*>(block_.data_ptr());
+    } else {
+      small_.resize(n);
+      data_ = small_.data();
+    }
+  }
+  ScratchBuffer(const ScratchBuffer&) = delete;  // data_ points into this object's memory
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ScratchBuffer(ScratchBuffer&&) = default;
+  ScratchBuffer& operator=(ScratchBuffer&&) = default;
+  T* data() { return data_; }
+
+ private:
+  at::Tensor block_;
+  std::vector<T> small_;
+  T* data_ = nullptr;
+};
 
 // [cached bytes, cached blocks, bytes in use, hits, misses, limit bytes]
 std::vector<int64_t> cpu_cache_stats();
