@@ -11,11 +11,15 @@ whose own name starts with ``_``). Function-level imports count like module-leve
 KNOWN lists the violations the code still has, each with what removes it; the test fails on
 any violation not listed, and on a listed one that is gone (so the list only shrinks). The
 last tests show that the checker finds each kind of violation.
+
+The tests themselves may use a private name of the package only where docs/design.md lists
+it under "Internal entry points the tests use", and that list names only what they use.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,16 +115,29 @@ def read_imports(path: Path, name: str, modules: set[str]) -> list[Import]:
                     bound[alias.asname or alias.name] = sub
                 else:
                     add(sub, source, alias.name.startswith("_") and not alias.name.startswith("__"))
+    def resolve(node) -> str | None:  # the module a name or a dotted chain of submodules refers to
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = resolve(node.value)
+            if base is not None and f"{base}.{node.attr}" in modules:
+                return f"{base}.{node.attr}"
+        return None
+
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
-                and node.attr.startswith("_") and not node.attr.startswith("__")):
-            module = bound[node.value.id]
-            add(f"{module}.{node.attr}", module, True)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            module = resolve(node.value)
+            if module is not None:
+                add(f"{module}.{node.attr}", module, True)
     return found
 
 
+def package_files(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for d in ("fasttrans", "kernels") for p in (root / d).rglob("*.py")}
+
+
 def violations(root: Path, layers=LAYERS, core=CORE) -> set[tuple[str, str, str]]:
-    files = {module_name(p, root): p for d in ("fasttrans", "kernels") for p in (root / d).rglob("*.py")}
+    files = package_files(root)
     modules = set(files)
     found: set[tuple[str, str, str]] = set()
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -171,6 +188,63 @@ def test_layers_call_only_downward():
     gone = sorted(KNOWN.keys() - found)
     assert not new, "imports against docs/design.md's layers:\n" + "\n".join(map(str, new))
     assert not gone, "fixed, so remove from KNOWN:\n" + "\n".join(map(str, gone))
+
+
+# ---------------------------------------------------------------------------------------
+# the tests' own reach into the package
+# ---------------------------------------------------------------------------------------
+INTERNALS_HEADING = "## Internal entry points the tests use"
+
+
+def private_names_in_tests(root: Path) -> dict[str, set[str]]:
+    """Private names of the package (``module._name``, or a private module) that tests/*.py
+    use -> the test files that use them."""
+    modules = set(package_files(root))
+    used: dict[str, set[str]] = {}
+    for path in sorted((root / "tests").glob("*.py")):
+        for imp in read_imports(path, f"tests.{path.stem}", modules):
+            if imp.private:
+                used.setdefault(imp.target, set()).add(path.name)
+    return used
+
+
+def documented_internals(design: str) -> set[str]:
+    """The backticked dotted names listed under INTERNALS_HEADING in docs/design.md."""
+    section = design.split(INTERNALS_HEADING, 1)[1].split("\n## ", 1)[0]
+    return {name for name in re.findall(r"`([\w.]+)`", section) if name.startswith("fasttrans.")}
+
+
+def test_tests_use_only_documented_internals():
+    used = private_names_in_tests(ROOT)
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert INTERNALS_HEADING in design
+    listed = documented_internals(design)
+    missing = sorted(f"{name} ({', '.join(sorted(files))})" for name, files in used.items() if name not in listed)
+    stale = sorted(listed - used.keys())
+    assert not missing, f"private names the tests use, not listed under {INTERNALS_HEADING!r} in docs/design.md:\n" \
+        + "\n".join(missing)
+    assert not stale, "listed in docs/design.md but used by no test, so remove:\n" + "\n".join(stale)
+
+
+def test_internals_checker_finds_private_names(tmp_path):
+    root = _toy(tmp_path, {
+        "fasttrans/backends/__init__.py": "from . import registry\n",
+        "fasttrans/backends/registry.py": "def _preference():\n    pass\n",
+        "fasttrans/functional.py": "from . import backends\ndef _draw_seed():\n    pass\n",
+        "kernels/_launch.py": "",
+        "tests/test_a.py": "from fasttrans import backends, functional\nimport fasttrans.functional as F\n"
+                           "backends.registry._preference()\nF._draw_seed()\nfunctional.attention\n",
+        "tests/test_b.py": "from fasttrans.kernels import _launch as launch\n"
+                           "from fasttrans.functional import _draw_seed\n",
+    })
+    (root / "fasttrans" / "backends.py").unlink()
+    assert private_names_in_tests(root) == {
+        "fasttrans.backends.registry._preference": {"test_a.py"},
+        "fasttrans.functional._draw_seed": {"test_a.py", "test_b.py"},
+        "fasttrans.kernels._launch": {"test_b.py"},
+    }
+    design = f"# x\n{INTERNALS_HEADING}\n- `fasttrans.functional._draw_seed`: why\n## Next\n- `fasttrans.other._x`\n"
+    assert documented_internals(design) == {"fasttrans.functional._draw_seed"}
 
 
 # ---------------------------------------------------------------------------------------
