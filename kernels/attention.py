@@ -201,8 +201,10 @@ def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
 @triton.jit
 def _masked_scores(
     q, k,  # (BLOCK_M, BLOCK_D) query tile, (BLOCK_N, BLOCK_D) key tile
-    Mask_rows, start_n64, rows, offs_n, offs_m, cols,  # dense mask rows, key tile start, index vectors
-    row_ok, col_ok, causal_offset, qk_scale, stride_mask_m, stride_mask_n,
+    tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
+    key_tile,  # (start_n64, cols, col_ok): the key tile's first key, its keys (BLOCK_N,), keys < kv_len
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -210,6 +212,11 @@ def _masked_scores(
 
     Shared by the forward and the dQ backward so both see exactly the same masked scores.
     """
+    offs_m, row_ok, _ = tile
+    start_n64, cols, col_ok = key_tile
+    Mask_rows, stride_mask_m, stride_mask_n = mask
+    rows = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
     s = s * qk_scale
     if MASK_KIND != 0:
@@ -246,22 +253,27 @@ def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M
 
 @triton.jit
 def _key_tile_scores(
-    q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset, qk_scale,
-    stride_k_n, stride_mask_m, stride_mask_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_D: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    q, tile, keys, mask,  # as _attention_fwd_inner's
+    start_n, kv_len, causal_offset, qk_scale,  # the key tile's first key; keys < kv_len exist
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """The key tile at start_n, loaded, and the query tile's masked scores against it:
-    (scores, start_n as int64, key columns, columns < kv_len)."""
+    (scores, (start_n as int64, key columns, columns < kv_len))."""
+    _, _, d_ok = tile
+    K_head, stride_k_n = keys
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     start_n64 = tl.cast(start_n, tl.int64)
     cols = start_n + offs_n
     col_ok = cols < kv_len
     k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
                    col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-    s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
-                       qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
-                       ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
-    return s, start_n64, cols, col_ok
+    key_tile = (start_n64, cols, col_ok)
+    s = _masked_scores(q, k, tile, key_tile, mask, causal_offset, qk_scale, BLOCK_M, BLOCK_N, MASK_KIND,
+                       IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+    return s, key_tile
 
 
 # --------------------------------------------------------------------------------------
@@ -301,22 +313,19 @@ def _attention_fwd_inner(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     acc, l_i, m_i = state
-    offs_m, row_ok, d_ok = tile
-    K_head, stride_k_n = keys
+    offs_m, _, d_ok = tile
     V_head, stride_v_n = values
-    Mask_rows, stride_mask_m, stride_mask_n = mask
     dropout_p, dropout_threshold, seed = dropout
     # Tile pointers are rebuilt each iteration from scalar bases: a loop-carried pointer tensor
     # would hold a 64-bit address per element in registers.
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    rows = tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
-        s, start_n64, cols, col_ok = _key_tile_scores(
-            q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset,
-            qk_scale, stride_k_n, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_D, MASK_KIND, IS_CAUSAL,
-            ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
+        s, key_tile = _key_tile_scores(
+            q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
+            MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
         )
+        start_n64, cols, col_ok = key_tile
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
@@ -452,23 +461,19 @@ def _store_rows(ptrs, x, row_ok, d_ok, MASK_D: tl.constexpr):
 
 @triton.jit
 def _attention_row_stats(
-    q, K_head, Mask_rows, offs_m, row_ok, d_ok,  # as in the forward
-    hi, kv_len, causal_offset, qk_scale, stride_k_n, stride_mask_m, stride_mask_n,
+    q, tile, keys, mask,  # as _attention_fwd_inner's
+    hi, kv_len, causal_offset, qk_scale,  # keys [0, hi); keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Row sums l and maxima m (log2 units) of a query tile's scores over keys [0, hi): the
     forward's statistics, from the same _masked_scores the forward and the dQ kernel use."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = tl.arange(0, BLOCK_M)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     for start_n in range(0, hi, BLOCK_N):
-        s, _, _, _ = _key_tile_scores(
-            q, K_head, Mask_rows, start_n, rows, offs_n, offs_d, offs_m, row_ok, d_ok, kv_len, causal_offset,
-            qk_scale, stride_k_n, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_D, MASK_KIND, IS_CAUSAL,
-            True, DOT_FP32, INPUT_PRECISION,
+        s, _ = _key_tile_scores(
+            q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
+            MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
         )
         _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i)
     return l_i, m_i
@@ -511,12 +516,12 @@ def _attention_bwd_exact_rows_kernel(
                                                HAS_KEY_LENGTHS, IS_CAUSAL)  # the keys the forward visited
         q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
                        + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        keys = (K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h, stride_k_n)
+        mask = (Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
+                stride_mask_m, stride_mask_n)
         l_x, m_x = _attention_row_stats(
-            q, K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h,
-            Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
-            offs_m, row_ok, d_ok, key_end, kv_len, causal_offset, scale * LOG2E, stride_k_n,
-            stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32,
-            INPUT_PRECISION,
+            q, (offs_m, row_ok, d_ok), keys, mask, key_end, kv_len, causal_offset, scale * LOG2E,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
         )
         r = 1.0 / tl.where(exact, l_x, 1.0)  # l >= 1 on these rows: the maximum's own exp(0)
         todo = row_ok & exact
@@ -728,7 +733,6 @@ def _attention_bwd_dq_inner(
     offs_m, row_ok, d_ok = tile
     K_head, stride_k_n = keys
     V_head, stride_v_n = values
-    Mask_rows, stride_mask_m, stride_mask_n = mask
     DMask_rows, Lk = dmask
     dropout_p, dropout_threshold, seed = dropout
     offs_n = tl.arange(0, BLOCK_N)
@@ -744,9 +748,8 @@ def _attention_bwd_dq_inner(
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        s = _masked_scores(q, k, Mask_rows, start_n64, rows, offs_n, offs_m, cols, row_ok, col_ok, causal_offset,
-                           qk_scale, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL,
-                           ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+        s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
+                           MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
