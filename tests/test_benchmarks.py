@@ -390,6 +390,27 @@ def test_quick_run_writes_sane_rows_and_plots(quick_results, script):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
+    """make gpu-check runs the hf sweep in bf16: the models, their fasttrans copies and the
+    rows are in that dtype, and the copy passes its check against the sdpa model."""
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_model.py"), "--quick", "--sweep", "hf", "--dtype", "bfloat16",
+         "--provider", "fasttrans-extension,torc[h]", "--device", "cpu", "--threads", "1", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    (csv_path,) = tmp_path.glob("*.csv")
+    rows = _read_csv(csv_path)
+    assert {(r["op"], r["provider"], r["variant"]) for r in rows} == {
+        (op, provider, variant) for op in ("BertForMaskedLM", "LlamaForCausalLM")
+        for provider, variant in (("fasttrans-extension", ""), ("torch", "sdpa"), ("torch", "eager"))}
+    assert len(rows) == 9
+    for r in rows:
+        assert r["dtype"] == "bfloat16" and r["status"] == "ok", r
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_steady_allocator_reuses_freed_blocks_instead_of_faulting_them_in_again():
     # A 48 MiB result is above glibc's largest mmap threshold (32 MiB), so by default every
