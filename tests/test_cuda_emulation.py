@@ -1,11 +1,14 @@
-"""The CUDA kernels of csrc/*.cu, run on the host: every CUDA thread an std::thread.
+"""The CUDA kernels of csrc/*.cu, run on the host: every CUDA thread a fiber.
 
 Without a GPU the CUDA fallback would otherwise only be compiled (test_csrc_nvcc.py). Here
 each .cu file, kernels and launchers, is compiled with the host compiler and
 AddressSanitizer against ``tests/cuda_emulation/shim.h``, which provides threadIdx/blockIdx,
 __syncthreads, the warp shuffles, shared memory and the few CUDA runtime calls the
-launchers make; nvcc's ``kernel<<<grid, block, smem, stream>>>(args)`` is rewritten into a
-call of the shim's ``launch``. A harness per file calls the launchers of
+launchers make. The threads of a block are fibers that one OS thread switches round-robin
+at their barriers (with an OS thread each, all had to be scheduled at every barrier, which
+crawled on a loaded machine); a barrier that can never complete aborts with a message
+instead of hanging. nvcc's ``kernel<<<grid, block, smem, stream>>>(args)`` is rewritten
+into a call of the shim's ``launch``. A harness per file calls the launchers of
 csrc/cuda_launchers.h (the dropout harness also the kernels directly, on grids small enough
 for their grid-stride loops) and checks every output against a double-precision
 reference. This tests the launchers' grids and shared-memory sizes and the kernels' logic (indexing, strides, masking, reductions across warps, barriers, NaN
