@@ -129,7 +129,7 @@ def test_layernorm_kernels(build):
     assert out.rstrip().endswith("0 bad"), out
 
 
-@pytest.mark.slow(minutes=3)
+@pytest.mark.slow(minutes=0.5)
 def test_attention_kernels(build):
     out = _run(build("attention"), timeout=600)
     assert out.rstrip().endswith("0 bad configs"), out
