@@ -11,8 +11,9 @@ that garbage take their usual time).
 
 fasttrans's Triton backend is told it may take CPU tensors (its check refuses them without
 the interpreter), and the Triton autotuners time every configuration as equal, so each picks
-its first. Call ``activate()`` before any fasttrans op runs, in a process that never sets
-``TRITON_INTERPRET=1``.
+its first; since that is the pick, the autotuners are also pruned to their first remaining
+configuration, so the others are never compiled. Call ``activate()`` before any fasttrans
+op runs, in a process that never sets ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def _equal_timings(fn, *args, quantiles=None, **kwargs):
     return [1.0] * len(quantiles) if quantiles else 1.0
 
 
+def _prune_to_first() -> None:
+    """Autotuners keep only the first configuration their own pruning leaves: with equal
+    timings that is the one they pick, and compiling the rest (ptxas for each) only costs time."""
+    from triton.runtime.autotuner import Autotuner
+
+    if getattr(Autotuner.prune_configs, "_standin", False):
+        return
+    prune = Autotuner.prune_configs
+
+    def first_only(self, *args, **kwargs):
+        return prune(self, *args, **kwargs)[:1]
+
+    first_only._standin = True
+    Autotuner.prune_configs = first_only
+
+
 def activate() -> None:
     """Make Triton launch through the stand-in driver (see the module docstring)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -78,6 +95,7 @@ def activate() -> None:
     driver.get_active_torch_device = lambda: torch.device("cpu")
     driver.get_benchmarker = lambda: _equal_timings
     triton.runtime.driver.set_active(driver)
+    _prune_to_first()
 
     from fasttrans import backends
 
