@@ -12,9 +12,6 @@
 namespace fasttrans::cpu {
 namespace {
 
-// kMinCachedBytes: smaller outputs stay with torch's own allocator, since faulting a few pages
-// back in costs little next to the call, and every cached block is memory torch's
-// allocations cannot reuse.
 constexpr size_t kPage = 4096;
 
 struct Block {

@@ -18,7 +18,9 @@
 
 namespace fasttrans::cpu {
 
-// Blocks of this size or more are cached; smaller ones stay with torch's allocator.
+// Blocks of this size or more are cached. Smaller ones stay with torch's allocator: faulting
+// a few pages back in costs little next to the call, and every cached block is memory torch's
+// allocations cannot reuse.
 constexpr size_t kMinCachedBytes = size_t{1} << 20;
 
 // at::empty / at::zeros for kernel outputs (CPU, contiguous)
@@ -40,7 +42,7 @@ class ScratchBuffer {
       data_ = small_.data();
     }
   }
-  ScratchBuffer(const ScratchBuffer&) = delete;  // data_ points into this object's memory
+  ScratchBuffer(const ScratchBuffer&) = delete;  // a copy's data_ would point at the original's buffer
   ScratchBuffer& operator=(const ScratchBuffer&) = delete;
   ScratchBuffer(ScratchBuffer&&) = default;
   ScratchBuffer& operator=(ScratchBuffer&&) = default;

@@ -26,6 +26,17 @@ pytestmark = [
     pytest.mark.skipif(extension.build_info().get("error") is not None, reason="the C++ extension does not build here"),
 ]
 
+# Minor page faults per call of fn after warm-up; every child counts with this.
+_FAULTS_PER_CALL = r"""
+def faults_per_call(fn, warm=3, calls=6):
+    for _ in range(warm):
+        out = fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        out = fn()  # the previous call's outputs are freed here, as in a user's loop
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+"""
+
 _CHILD = r"""
 import json, resource, sys
 import torch, torch.nn.functional as F
@@ -71,14 +82,7 @@ CASES = {
     "training step": (training_step(fasttrans.nn), training_step(torch.nn)),
 }
 
-def faults_per_call(fn, warm=3, calls=6):
-    for _ in range(warm):
-        out = fn()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(calls):
-        out = fn()  # the previous call's outputs are freed here, as in a user's loop
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
-
+""" + _FAULTS_PER_CALL + r"""
 with fasttrans.use_backend("extension"):
     result = {name: {"fasttrans": faults_per_call(ours), "torch": faults_per_call(theirs)}
               for name, (ours, theirs) in CASES.items()}
@@ -115,25 +119,17 @@ def test_loops_fault_no_more_than_torch():
 
 # With a fixed mmap threshold (M_MMAP_THRESHOLD, here through GLIBC_TUNABLES) glibc maps and
 # unmaps every block over it on each call, so any per-call working memory that does not come
-# from the cache faults all its pages every call. The attention forward at long key lengths
-# keeps a per-thread K^T copy of a head (1 MiB here), so this runs on two threads.
+# from the cache faults all its pages every call: here the attention forward's per-thread
+# K^T copy of a head at long key lengths (1 MiB).
 _LONG_KEYS_CHILD = r"""
 import json, resource
 import torch, torch.nn.functional as F
 import fasttrans
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)
 q = torch.randn(1, 4, 1024, 64)                          # a 1 MiB output, cached
 k, v = (torch.randn(1, 4, 4096, 64) for _ in range(2))
-
-def faults_per_call(fn, warm=3, calls=6):
-    for _ in range(warm):
-        out = fn()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(calls):
-        out = fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
-
+""" + _FAULTS_PER_CALL + r"""
 with fasttrans.use_backend("extension"):
     ours = faults_per_call(lambda: fasttrans.attention(q, k, v))
 theirs = faults_per_call(lambda: F.scaled_dot_product_attention(q, k, v))
@@ -141,7 +137,6 @@ print(json.dumps({"fasttrans": ours, "torch": theirs}))
 """
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the per-thread working memory needs two threads")
 def test_long_key_working_memory_is_not_faulted_in_per_call():
     proc = _run_child(_LONG_KEYS_CHILD, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})
     assert proc.returncode == 0, proc.stderr[-3000:]
