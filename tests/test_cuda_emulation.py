@@ -5,9 +5,8 @@ each .cu file, kernels and launchers, is compiled with the host compiler and
 AddressSanitizer against ``tests/cuda_emulation/shim.h``, which provides threadIdx/blockIdx,
 __syncthreads, the warp shuffles, shared memory and the few CUDA runtime calls the
 launchers make. The threads of a block are fibers that one OS thread switches round-robin
-at their barriers (with an OS thread each, all had to be scheduled at every barrier, which
-crawled on a loaded machine); a barrier that can never complete aborts with a message
-instead of hanging. nvcc's ``kernel<<<grid, block, smem, stream>>>(args)`` is rewritten
+at their barriers, so the run does not depend on how the OS schedules a hundred threads on a
+busy machine; a barrier that can never complete aborts with a message instead of hanging. nvcc's ``kernel<<<grid, block, smem, stream>>>(args)`` is rewritten
 into a call of the shim's ``launch``. A harness per file calls the launchers of
 csrc/cuda_launchers.h (the dropout harness also the kernels directly, on grids small enough
 for their grid-stride loops) and checks every output against a double-precision
