@@ -49,7 +49,7 @@ __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_roo
 
 _NAME = "fasttrans_ext"
 _CPU_SOURCES = ("registration.cpp", "cpu_allocator.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp",
-                "masks_cpu.cpp", "layer_cpu.cpp")
+                "masks_cpu.cpp", "layer_cpu.cpp", "eager.cpp")
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -423,9 +423,19 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
             _error = f"{type(e).__name__}: {e}"
             raise ExtensionBuildError(_error) from e
         _register_debug_fake()
-        _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason)
+        _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason, _python_module(plan.library))
         _mask_helpers = (torch.ops.fasttrans.padding_key_lengths.default, torch.ops.fasttrans.is_causal_mask.default)
         return _impl
+
+
+def _python_module(library: Path):
+    """The library's Python module (csrc/eager.cpp), imported from the file already loaded."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 _mask_helpers: tuple | None = None
@@ -507,12 +517,15 @@ class _ExtensionImpl:
     """Backend interface of fasttrans.backends implemented by the compiled ops.
 
     The ops return absent optional outputs as empty (0,) tensors; these methods turn them
-    back into None as the interface says.
+    back into None as the interface says. ``eager`` is the library's Python module, whose
+    entry points run the norm ops and their autograd in C++ (csrc/eager.cpp; used by
+    fasttrans.backends' eager route).
     """
 
-    def __init__(self, with_cuda: bool, cuda_reason: str | None):
+    def __init__(self, with_cuda: bool, cuda_reason: str | None, eager=None):
         self.with_cuda = with_cuda
         self.cuda_reason = cuda_reason
+        self.eager = eager
         self._ops = torch.ops.fasttrans
 
     def unavailable_reason(self, device: torch.device, op: str | None = None) -> str | None:

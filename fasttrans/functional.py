@@ -100,7 +100,7 @@ def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple
     one of grad_inputs needs a gradient. Absent outputs come back as None or empty tensors."""
     if _is_compiling():
         return backends.forward_op(_selected_backend(kind, str(device), dtype), kind)(*args)
-    name, forward, function = backends.selected_route(kind, device, dtype)
+    name, forward, function, _ = backends.selected_route(kind, device, dtype)
     # Under torch.func.vmap a batched input reports requires_grad=False even when the
     # tensor it wraps needs a gradient: only the op's own autograd kernel sees the truth.
     if _dispatch_stack_len is None or _functorch.maybe_current_level() is not None or _dispatch_stack_len():
@@ -363,7 +363,7 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
                                    and key_lengths.is_contiguous() and type(key_lengths) in _PLAIN_TENSORS):
             scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
             seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
-            _, forward, function = backends.selected_route("attention", device, q.dtype)
+            _, forward, function, _ = backends.selected_route("attention", device, q.dtype)
             args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
             if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 return function(*args)[0]
@@ -599,12 +599,19 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
             or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
             or _dispatch_stack_len is None or _dispatch_stack_len()):
         return None
-    shape = x.shape
     dtype = x.dtype
-    if (x.layout is not _STRIDED or not shape or shape[-1] != n or n == 0 or dtype not in _FLOAT_DTYPES
-            or not x.is_contiguous()):
+    if dtype not in _FLOAT_DTYPES:
         return None
     device = x.device
+    try:
+        _, forward, function, common = backends.selected_route("norm", device, dtype)
+    except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
+        return None
+    if common is not None:  # the backend checks the rest and runs the call natively
+        return common(x, residual, weight, bias, eps, rms, n)
+    shape = x.shape
+    if x.layout is not _STRIDED or not shape or shape[-1] != n or n == 0 or not x.is_contiguous():
+        return None
     if ((weight is not None and not _plain_param(weight, n, dtype, device))
             or (bias is not None and not _plain_param(bias, n, dtype, device))):
         return None
@@ -621,7 +628,6 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
         r_rows = None if residual is None else residual.view(-1, n)
     elif shape[0] == 0:
         return None
-    _, forward, function = backends.selected_route("norm", device, dtype)
     if _grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
                             or (weight is not None and weight.requires_grad)
                             or (bias is not None and bias.requires_grad)):

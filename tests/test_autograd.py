@@ -120,6 +120,50 @@ def test_norm_routes_agree(backend, case):
     _assert_same(registered, eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64])
+@pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "rms_norm", "weight_only_grad", "no_grad"])
+def test_public_norms_match_the_registered_op(case, dtype):
+    """The public norms in their common case (the extension's native entry on CPU, see
+    csrc/eager.cpp): outputs and gradients the registered op gives, bit for bit, on 3-D
+    inputs that the call views as rows."""
+    backend = backends.select_backend("norm", "cpu", dtype).name
+    op = backends.forward_op(backend, "norm")
+    B, L, N = 2, 3, 40
+    x, r = torch.randn(B, L, N, dtype=dtype), torch.randn(B, L, N, dtype=dtype)
+    w, b = torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype)
+    dy, dh = torch.randn(B, L, N, dtype=dtype), torch.randn(B, L, N, dtype=dtype)
+    residual = case == "add_layer_norm"
+    rms = case == "rms_norm"
+
+    def public(x, r, w, b):
+        if residual:
+            return fasttrans.add_layer_norm(x, r, w, b)
+        if rms:
+            return (fasttrans.rms_norm(x, N, w, 1e-5),)
+        return (fasttrans.layer_norm(x, (N,), w, b),)
+
+    def registered(x, r, w, b):
+        y, h, _, _ = op(x.view(-1, N), r.view(-1, N) if residual else None, w, None if rms else b, 1e-5, rms)
+        return (y.view_as(x), h.view_as(x)) if residual else (y.view_as(x),)
+
+    results = []
+    for call in (registered, public):
+        leaves = [t.clone().requires_grad_(case != "no_grad" and (case != "weight_only_grad" or t is w))
+                  for t in (x, r, w, b)]
+        outputs = call(*leaves)
+        if case == "no_grad":
+            assert all(o.grad_fn is None for o in outputs)
+            results.append((outputs, ()))
+            continue
+        wrt = [t for t in leaves if t.requires_grad]
+        loss = (outputs[0] * dy).sum() + ((outputs[1] * dh).sum() if residual else 0)
+        results.append(([o.detach() for o in outputs], torch.autograd.grad(loss, wrt, allow_unused=True)))
+    _assert_same(*results)
+    if backend == "extension" and case != "no_grad":
+        view = public(*[t.requires_grad_() for t in (x, r, w, b)])[0].grad_fn  # the rows viewed as x
+        assert view.next_functions[0][0].name().endswith("NormFunction>")
+
+
 @pytest.mark.parametrize("backend", backend_params("dropout"))
 def test_dropout_routes_agree(backend):
     x = torch.randn(64, 33)
@@ -129,6 +173,11 @@ def test_dropout_routes_agree(backend):
 
 def _graph_node(t: torch.Tensor) -> str:
     return type(t.grad_fn).__name__
+
+
+def _node_name(t: torch.Tensor) -> str:
+    """The name of t's node: a Python autograd.Function's backward class, a C++ node's type."""
+    return t.grad_fn.name()
 
 
 def _graph_nodes(t: torch.Tensor) -> set[str]:
@@ -196,8 +245,11 @@ def test_eager_calls_with_a_gradient_apply_the_eager_function():
     x = torch.randn(3, 16, requires_grad=True)
     q = torch.randn(1, 2, 3, 8, requires_grad=True)
     name = backends.select_backend("norm", "cpu", x.dtype).name
-    assert _graph_node(fasttrans.layer_norm(x, 16)) == f"norm_fwd_{name}_eagerBackward"
-    assert _graph_node(fasttrans.add_layer_norm(x, x.detach())[1]) == f"norm_fwd_{name}_eagerBackward"
+    # the extension's norm records its C++ autograd node (csrc/eager.cpp)
+    norm_node = "torch::autograd::CppNode<fasttrans::eager::NormFunction>" if name == "extension" else f"norm_fwd_{name}_eagerBackward"
+    assert _node_name(fasttrans.layer_norm(x, 16)) == norm_node
+    assert _node_name(fasttrans.add_layer_norm(x, x.detach())[1]) == norm_node
+    assert _node_name(fasttrans.rms_norm(x, 16)) == norm_node
     assert _graph_node(fasttrans.attention(q, q, q)) == f"attention_fwd_{name}_eagerBackward"
     assert _graph_node(fasttrans.functional.dropout(x, 0.5)) == f"dropout_fwd_{name}_eagerBackward"
 

@@ -4,6 +4,7 @@ backend's implementation directly (see fasttrans.functional)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable
 
@@ -81,15 +82,10 @@ def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op)
         h, weight, bias, mean, rstd = ctx.saved_tensors
         dh = dh if ctx.has_residual else None
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
-            _check_second_order("norm", name, ctx.forced)
             needs = ctx.needs_input_grad
-            grads = (None, None, None)
-            if dy is not None:
-                grads = _grad_with_graph(
-                    lambda h, w, b: reference.ReferenceImpl.norm_fwd(h, None, w, b, ctx.eps, ctx.rms)[0],
-                    (h, weight, bias), (needs[0] or needs[1], needs[2], needs[3]), (dy,))
-            dx = grads[0] if dh is None else (dh if grads[0] is None else grads[0] + dh)
-            return dx, (dx if ctx.has_residual else None), grads[1], grads[2], None, None
+            dx, dw, db = norm_grad_with_graph(name, ctx.forced, ctx.rms, ctx.eps,
+                                              (needs[0] or needs[1], needs[2], needs[3]), h, weight, bias, dy, dh)
+            return dx, (dx if ctx.has_residual else None), dw, db, None, None
         if dy is None:
             dy = torch.zeros_like(h)
         dh = last_dim_unit_stride(dh) if dh is not None else None
@@ -139,6 +135,30 @@ def _check_second_order(op: str, backend: str, forced: str | None) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def norm_grad_with_graph(name: str, forced: str | None, rms: bool, eps: float, needs: tuple, h, weight, bias, dy,
+                         dh) -> tuple:
+    """(dx, dweight, dbias) of backend ``name``'s norm under backward(create_graph=True), dx
+    including dh (the gradient of h = x + residual); needs: whether x (or the residual),
+    weight and bias need theirs. The reference forward's gradients, differentiable again."""
+    _check_second_order("norm", name, forced)
+    grads = (None, None, None)
+    if dy is not None:
+        grads = _grad_with_graph(lambda h, w, b: reference.ReferenceImpl.norm_fwd(h, None, w, b, eps, rms)[0],
+                                 (h, weight, bias), needs, (dy,))
+    dx = grads[0] if dh is None else (dh if grads[0] is None else grads[0] + dh)
+    return dx, grads[1], grads[2]
+
+
+def _extension_norm_second_order(forced: bool, rms, eps, needs, x, residual, weight, bias, dy, dh) -> tuple:
+    """norm_grad_with_graph for the extension's C++ autograd node (csrc/eager.cpp). h is
+    recomputed from x and the residual: the saved h leads back into the node, whose backward
+    is running (a C++ node's backward holds its lock)."""
+    if residual is not None:
+        with torch.enable_grad():
+            x = x + residual
+    return norm_grad_with_graph("extension", "extension" if forced else None, rms, eps, needs, x, weight, bias, dy, dh)
 
 
 def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_outputs: tuple) -> tuple:
@@ -212,7 +232,8 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
     """(forward, call) of backend ``name``'s ``kind`` op ("attention", "norm", "dropout")
     for eager calls: its implementation's forward (its ``<kind>_infer`` where it has one),
     called as it is when nothing needs a gradient, and a function applying the forward
-    through an autograd.Function (``call.function``) with the op's gradient formulas.
+    through an autograd.Function (``call.function``) with the op's gradient formulas; the
+    extension's norm applies them through a C++ autograd node instead (csrc/eager.cpp).
     Both take the registered forward op's arguments and return its outputs, absent ones
     (and, from ``call``, the statistics only a backward reads) as None where the op
     returns empty tensors."""
@@ -222,19 +243,36 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
         methods = [getattr(impl, f"{k}_{d}", None) for k in ("attention", "norm", "dropout") for d in ("fwd", "bwd")]
         if name == "extension":  # C++ ops: skip their autograd key, whose Python kernel the route replaces
             methods = [_below_autograd(m) for m in methods]
-        formulas = _autograd_formulas(name, *methods[1::2])
         forward = methods[("attention", "norm", "dropout").index(kind) * 2]
-        call = _eager_function(name, kind, forward, *formulas[kind])
         infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
+        eager = _native_eager(impl, kind)
+        if eager is not None:
+            def call(*args, _norm=eager.norm):
+                return _norm(current_forced_backend() == name, *args)
+        else:
+            formulas = _autograd_formulas(name, *methods[1::2])
+            call = _eager_function(name, kind, forward, *formulas[kind])
         route = _eager_routes[(name, kind)] = (forward if infer is None else infer, call)
     return route
 
 
+def _native_eager(impl, kind: str):
+    """The implementation's native eager module for ``kind`` (the extension's norm, see
+    csrc/eager.cpp), ready to call; None where there is none."""
+    eager = getattr(impl, "eager", None)
+    if kind != "norm" or eager is None:
+        return None
+    eager.set_second_order(_extension_norm_second_order)
+    return eager
+
+
 def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
-    """(name, forward, function): the backend :func:`select_backend` selects for ``kind`` on
-    (device, dtype) and its :func:`eager_route`, in one lookup per call (both are asked on
-    every eager call). Memoised under the same key as the selection, with the environment
-    variables that selection reads."""
+    """(name, forward, function, common): the backend :func:`select_backend` selects for
+    ``kind`` on (device, dtype), its :func:`eager_route`, and, where the backend has one, a
+    native entry for the common case of an eager call (else None; see
+    fasttrans.functional._norm_fast), in one lookup per call (all are asked on every eager
+    call). Memoised under the same key as the selection, with the environment variables
+    that selection reads."""
     forced = _forced.get()
     if forced is _FROM_ENV:
         forced = environ.getenv("FASTTRANS_BACKEND") or None
@@ -242,7 +280,9 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
     route = _selected_routes.get(key)
     if route is None:
         name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised
-        route = _selected_routes[key] = (name, *eager_route(name, kind))
+        eager = _native_eager(BACKENDS[name].impl(), kind)
+        common = None if eager is None else functools.partial(eager.norm_common, forced == name)
+        route = _selected_routes[key] = (name, *eager_route(name, kind), common)
     return route
 
 

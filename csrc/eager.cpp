@@ -1,0 +1,298 @@
+// The extension backend's eager norm route as a Python module (fasttrans_ext): entry points
+// called with Python's vectorcall convention that run the registered norm ops below their
+// autograd key, or record a C++ autograd node whose backward runs without Python.
+//
+// fasttrans/backends/autograd.py (eager_route, selected_route) hands these to
+// fasttrans.functional, which calls them only in eager mode with no torch.func transform,
+// forward-AD level or dispatch mode active. A call through torch.ops costs the host a
+// boxed dispatch into Python wrappers, and a Python autograd.Function a few more
+// microseconds each way: longer than normalising a short row takes.
+//
+// The gradients are the formulas fasttrans/backends/autograd.py registers for the op: the
+// same backward op on the same saved tensors, so both routes agree bit for bit. Under
+// backward(create_graph=True) the node calls back into Python (set_second_order), where
+// the reference implementation computes a differentiable gradient.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <optional>
+#include <tuple>
+
+namespace fasttrans::eager {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+using NormFwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, double, bool);
+using NormBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+    const at::Tensor&, bool);
+
+// The registered ops, so that CPU and CUDA tensors reach their own kernels.
+const c10::TypedOperatorHandle<NormFwd>& norm_fwd_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fasttrans::norm_fwd_extension", "").typed<NormFwd>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<NormBwd>& norm_bwd_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fasttrans::norm_bwd_extension", "").typed<NormBwd>();
+  return op;
+}
+
+// The Python function computing a norm's gradient with a graph of its own (see the header).
+PyObject* second_order_norm = nullptr;
+
+// Gradients arrive as views or expanded (stride 0): only a non-unit inner stride costs a copy.
+at::Tensor last_dim_unit_stride(const at::Tensor& t) {
+  return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous();
+}
+
+OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+PyObject* wrap_or_none(const at::Tensor& t) {
+  if (t.defined()) return THPVariable_Wrap(t);
+  Py_RETURN_NONE;
+}
+
+[[noreturn]] void rethrow_python_error() {
+  python_error error;
+  error.persist();
+  throw error;
+}
+
+}  // namespace
+
+// Named outside the anonymous namespace: its type is the node's name (grad_fn.name()).
+struct NormFunction : public torch::autograd::Function<NormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& residual,
+                               const OptTensor& weight, const OptTensor& bias, double eps, bool rms, bool forced) {
+    at::Tensor y, h, mean, rstd;
+    {
+      at::AutoDispatchBelowAutograd below;
+      std::tie(y, h, mean, rstd) = norm_fwd_op().call(x, residual, weight, bias, eps, rms);
+    }
+    const bool has_residual = residual.has_value();
+    // with a residual, x and the residual too: a second-order gradient recomputes h = x + residual
+    // with a graph that does not lead back into this node, whose backward is then running
+    variable_list to_save{has_residual ? h : x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor())};
+    if (has_residual) {
+      to_save.push_back(x);
+      to_save.push_back(*residual);
+    }
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["mean"] = mean;
+    ctx->saved_data["rstd"] = rstd;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["rms"] = rms;
+    ctx->saved_data["forced"] = forced;
+    ctx->saved_data["residual"] = has_residual;
+    ctx->saved_data["needs_x"] = x.requires_grad() || (has_residual && residual->requires_grad());
+    ctx->saved_data["needs_weight"] = weight.has_value() && weight->requires_grad();
+    ctx->saved_data["needs_bias"] = bias.has_value() && bias->requires_grad();
+    // when only y is used, h's gradient stays undefined instead of an all-zero (M, N) tensor
+    ctx->set_materialize_grads(false);
+    if (has_residual) return {y, h};
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& h = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& bias = saved[2];
+    const bool has_residual = ctx->saved_data["residual"].toBool();
+    const bool rms = ctx->saved_data["rms"].toBool();
+    at::Tensor dy = grads[0];
+    at::Tensor dh = has_residual ? grads[1] : at::Tensor();
+    at::Tensor dx, dw, db;
+    if (at::GradMode::is_enabled()) {  // backward(create_graph=True): it must be differentiable itself
+      const at::Tensor x = has_residual ? saved[3] : h;
+      const at::Tensor residual = has_residual ? saved[4] : at::Tensor();
+      std::tie(dx, dw, db) = second_order(ctx, x, residual, weight, bias, dy, dh, rms);
+    } else {
+      if (!dy.defined()) dy = at::zeros_like(h);
+      if (dh.defined()) dh = last_dim_unit_stride(dh);
+      at::AutoDispatchBelowAutograd below;
+      std::tie(dx, dw, db) = norm_bwd_op().call(last_dim_unit_stride(dy), optional(dh), h, optional(weight),
+                                                optional(bias), ctx->saved_data["mean"].toTensor(),
+                                                ctx->saved_data["rstd"].toTensor(), rms);
+      if (!weight.defined()) dw = at::Tensor();
+      if (!bias.defined()) db = at::Tensor();
+    }
+    return {dx, has_residual ? dx : at::Tensor(), dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> second_order(AutogradContext* ctx, const at::Tensor& x,
+                                                                    const at::Tensor& residual,
+                                                                    const at::Tensor& weight, const at::Tensor& bias,
+                                                                    const at::Tensor& dy, const at::Tensor& dh,
+                                                                    bool rms) {
+    pybind11::gil_scoped_acquire gil;
+    TORCH_CHECK(second_order_norm != nullptr, "fasttrans_ext: set_second_order was not called");
+    auto flag = [&](const char* key) { return pybind11::bool_(ctx->saved_data[key].toBool()); };
+    auto tensor = [](const at::Tensor& t) { return pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(t)); };
+    const pybind11::tuple call_args = pybind11::make_tuple(
+        flag("forced"), pybind11::bool_(rms), ctx->saved_data["eps"].toDouble(),
+        pybind11::make_tuple(flag("needs_x"), flag("needs_weight"), flag("needs_bias")), tensor(x), tensor(residual),
+        tensor(weight), tensor(bias), tensor(dy), tensor(dh));
+    PyObject* result = PyObject_Call(second_order_norm, call_args.ptr(), nullptr);
+    if (result == nullptr) rethrow_python_error();
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> grads;
+    at::Tensor* slots[] = {&std::get<0>(grads), &std::get<1>(grads), &std::get<2>(grads)};
+    const bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3;
+    for (Py_ssize_t i = 0; ok && i < 3; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(result, i);
+      if (item != Py_None) *slots[i] = THPVariable_Unpack(item);
+    }
+    Py_DECREF(result);
+    TORCH_CHECK(ok, "fasttrans_ext: the second-order norm gradient must be a tuple (dx, dweight, dbias)");
+    return grads;
+  }
+};
+
+namespace {
+
+// y and h (undefined without a residual) of a norm over x's (M, N) rows, through the autograd
+// node when a gradient is being recorded for one of the tensors.
+std::pair<at::Tensor, at::Tensor> run_norm(bool forced, const at::Tensor& x, const OptTensor& residual,
+                                           const OptTensor& weight, const OptTensor& bias, double eps, bool rms) {
+  const bool grad = at::GradMode::is_enabled() &&
+                    (x.requires_grad() || (residual && residual->requires_grad()) ||
+                     (weight && weight->requires_grad()) || (bias && bias->requires_grad()));
+  if (!grad) {
+    at::AutoDispatchBelowAutograd below;
+    auto [y, h, mean, rstd] = norm_fwd_op().call(x, residual, weight, bias, eps, rms);
+    return {y, residual ? h : at::Tensor()};
+  }
+  variable_list out = NormFunction::apply(x, residual, weight, bias, eps, rms, forced);
+  return {out[0], residual ? out[1] : at::Tensor()};
+}
+
+OptTensor optional_arg(PyObject* obj) {
+  return obj == Py_None ? std::nullopt : OptTensor(THPVariable_Unpack(obj));
+}
+
+// norm(forced, x, residual, weight, bias, eps, rms) -> (y, h or None, None, None): the
+// registered forward op's outputs, the statistics only a backward reads as None. x: (M, N)
+// rows; the rest as the op takes them. forced: the extension was asked for by name (a
+// second-order gradient then raises instead of falling back to the reference).
+PyObject* norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 7, "norm: expected 7 arguments, got ", nargs);
+  for (int i : {1, 2, 3, 4}) {
+    TORCH_CHECK_TYPE(THPVariable_Check(args[i]) || (i > 1 && args[i] == Py_None), "norm: argument ", i,
+                     " must be a tensor");
+  }
+  const bool forced = PyObject_IsTrue(args[0]);
+  const double eps = PyFloat_AsDouble(args[5]);
+  if (eps == -1.0 && PyErr_Occurred()) return nullptr;
+  const bool rms = PyObject_IsTrue(args[6]);
+  const at::Tensor& x = THPVariable_Unpack(args[1]);
+  const OptTensor residual = optional_arg(args[2]), weight = optional_arg(args[3]), bias = optional_arg(args[4]);
+  std::pair<at::Tensor, at::Tensor> out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = run_norm(forced, x, residual, weight, bias, eps, rms);
+  }
+  return PyTuple_Pack(4, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out.first)).ptr(),
+                      pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(out.second)).ptr(), Py_None,
+                      Py_None);
+  END_HANDLE_TH_ERRORS
+}
+
+// Whether p is None or a plain (N,) vector of x's dtype and device with unit stride.
+bool plain_param(PyObject* p, int64_t n, const at::Tensor& x) {
+  if (p == Py_None) return true;
+  if (!THPVariable_CheckExact(p)) return false;
+  const at::Tensor& t = THPVariable_Unpack(p);
+  return t.layout() == at::kStrided && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 &&
+         t.scalar_type() == x.scalar_type() && t.device() == x.device();
+}
+
+// norm_common(forced, x, residual, weight, bias, eps, rms, n) -> (y, h or None) in x's shape,
+// or None when the call is not the common case, which the caller's general route then takes
+// (and reports, when it is invalid). The common case: x a plain contiguous tensor whose last
+// dim is n > 0 with at least one row; residual None or like x; weight and bias None or plain
+// (n,) vectors of x's dtype and device. The caller has checked x's type and dtype and eps.
+PyObject* norm_common(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 8, "norm_common: expected 8 arguments, got ", nargs);
+  PyObject* const x_obj = args[1];
+  PyObject* const r_obj = args[2];
+  if (!THPVariable_CheckExact(x_obj) || !(r_obj == Py_None || THPVariable_CheckExact(r_obj))) Py_RETURN_NONE;
+  const at::Tensor& x = THPVariable_Unpack(x_obj);
+  const int64_t n = PyLong_AsLongLong(args[7]);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  if (x.layout() != at::kStrided || x.dim() == 0 || x.size(-1) != n || n == 0 || x.numel() == 0 ||
+      !x.is_contiguous() || !plain_param(args[3], n, x) || !plain_param(args[4], n, x)) {
+    Py_RETURN_NONE;
+  }
+  OptTensor residual;
+  if (r_obj != Py_None) {
+    const at::Tensor& r = THPVariable_Unpack(r_obj);
+    if (r.layout() != at::kStrided || r.scalar_type() != x.scalar_type() || r.sizes() != x.sizes() ||
+        r.device() != x.device() || !r.is_contiguous()) {
+      Py_RETURN_NONE;
+    }
+    residual = r;
+  }
+  const bool forced = PyObject_IsTrue(args[0]);
+  const double eps = PyFloat_AsDouble(args[5]);
+  if (eps == -1.0 && PyErr_Occurred()) return nullptr;
+  const bool rms = PyObject_IsTrue(args[6]);
+  const OptTensor weight = optional_arg(args[3]), bias = optional_arg(args[4]);
+  std::pair<at::Tensor, at::Tensor> out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    const bool rows = x.dim() == 2;
+    if (rows) {
+      out = run_norm(forced, x, residual, weight, bias, eps, rms);
+    } else {
+      const OptTensor residual_rows = residual ? OptTensor(residual->view({-1, n})) : std::nullopt;
+      out = run_norm(forced, x.view({-1, n}), residual_rows, weight, bias, eps, rms);
+      out.first = out.first.view(x.sizes());
+      if (out.second.defined()) out.second = out.second.view(x.sizes());
+    }
+  }
+  return PyTuple_Pack(2, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out.first)).ptr(),
+                      pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(out.second)).ptr());
+  END_HANDLE_TH_ERRORS
+}
+
+// set_second_order(fn): fn(forced, rms, eps, (needs_x, needs_weight, needs_bias), x, residual,
+// weight, bias, dy, dh) -> (dx, dweight, dbias), dx including dh, computes a norm's gradient
+// under create_graph=True (see the header).
+PyObject* set_second_order(PyObject*, PyObject* fn) {
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "set_second_order: expected a callable");
+    return nullptr;
+  }
+  Py_INCREF(fn);
+  Py_XSETREF(second_order_norm, fn);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm)), METH_FASTCALL,
+     "norm(forced, x, residual, weight, bias, eps, rms) -> (y, h, None, None)"},
+    {"norm_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm_common)), METH_FASTCALL,
+     "norm_common(forced, x, residual, weight, bias, eps, rms, n) -> (y, h) or None"},
+    {"set_second_order", set_second_order, METH_O, "set_second_order(fn): the create_graph=True norm gradient"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttrans_ext", "fasttrans's eager norm route", -1, methods};
+
+}  // namespace
+}  // namespace fasttrans::eager
+
+PyMODINIT_FUNC PyInit_fasttrans_ext() { return PyModule_Create(&fasttrans::eager::module_def); }
