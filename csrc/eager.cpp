@@ -1,6 +1,7 @@
-// The extension backend's eager norm route as a Python module (fasttrans_ext): entry points
-// called with Python's vectorcall convention that run the registered norm ops below their
-// autograd key, or record a C++ autograd node whose backward runs without Python.
+// The extension backend's eager route for norms and attention as a Python module
+// (fasttrans_ext): entry points called with Python's vectorcall convention that run the
+// registered forward ops below their autograd key, or record a C++ autograd node whose
+// backward runs without Python.
 //
 // fasttrans/backends/autograd.py (eager_route, selected_route) hands these to
 // fasttrans.functional, which calls them only in eager mode with no torch.func transform,
@@ -48,8 +49,31 @@ const c10::TypedOperatorHandle<NormBwd>& norm_bwd_op() {
   return op;
 }
 
-// The Python function computing a norm's gradient with a graph of its own (see the header).
+using AttentionFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       const OptTensor&, const OptTensor&, bool, c10::SymInt, double,
+                                                       double, c10::SymInt);
+using AttentionBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const OptTensor&, const OptTensor&, bool, c10::SymInt, double, double, c10::SymInt, bool);
+
+const c10::TypedOperatorHandle<AttentionFwd>& attention_fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fasttrans::attention_fwd_extension", "")
+                             .typed<AttentionFwd>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<AttentionBwd>& attention_bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fasttrans::attention_bwd_extension", "")
+                             .typed<AttentionBwd>();
+  return op;
+}
+
+// The Python functions computing a norm's or attention's gradient with a graph of its own
+// (see the header).
 PyObject* second_order_norm = nullptr;
+PyObject* second_order_attention = nullptr;
 
 // Gradients arrive as views or expanded (stride 0): only a non-unit inner stride costs a copy.
 at::Tensor last_dim_unit_stride(const at::Tensor& t) {
@@ -159,6 +183,74 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
   }
 };
 
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const OptTensor& attn_mask, const OptTensor& key_lengths, bool is_causal,
+                               int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool forced) {
+    at::Tensor out, lse;
+    {
+      at::AutoDispatchBelowAutograd below;
+      std::tie(out, lse) =
+          attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+    }
+    const at::Tensor mask = attn_mask.value_or(at::Tensor());
+    ctx->save_for_backward({q, k, v, out, lse, mask, key_lengths.value_or(at::Tensor())});
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["causal_offset"] = causal_offset;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["forced"] = forced;
+    ctx->saved_data["needs"] = std::vector<bool>{q.requires_grad(), k.requires_grad(), v.requires_grad(),
+                                                 mask.defined() && mask.requires_grad()};
+    ctx->saved_data["mask_grad"] = mask.defined() && mask.scalar_type() != at::kBool && mask.requires_grad();
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const at::Tensor &mask = saved[5], &key_lengths = saved[6];
+    const bool is_causal = ctx->saved_data["is_causal"].toBool();
+    const int64_t causal_offset = ctx->saved_data["causal_offset"].toInt();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t seed = ctx->saved_data["seed"].toInt();
+    at::Tensor dq, dk, dv, dmask;
+    if (at::GradMode::is_enabled()) {  // backward(create_graph=True): it must be differentiable itself
+      pybind11::gil_scoped_acquire gil;
+      TORCH_CHECK(second_order_attention != nullptr, "fasttrans_ext: set_second_order was not called");
+      auto tensor = [](const at::Tensor& t) { return pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(t)); };
+      const auto needs = ctx->saved_data["needs"].toBoolList();
+      const pybind11::tuple call_args = pybind11::make_tuple(
+          pybind11::bool_(ctx->saved_data["forced"].toBool()),
+          pybind11::make_tuple(pybind11::bool_(needs[0]), pybind11::bool_(needs[1]), pybind11::bool_(needs[2]),
+                               pybind11::bool_(needs[3])),
+          tensor(q), tensor(k), tensor(v), tensor(mask), tensor(key_lengths), pybind11::bool_(is_causal),
+          causal_offset, dropout_p, scale, seed, tensor(grads[0]));
+      PyObject* result = PyObject_Call(second_order_attention, call_args.ptr(), nullptr);
+      if (result == nullptr) rethrow_python_error();
+      at::Tensor* slots[] = {&dq, &dk, &dv, &dmask};
+      const bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 4;
+      for (Py_ssize_t i = 0; ok && i < 4; ++i) {
+        PyObject* item = PyTuple_GET_ITEM(result, i);
+        if (item != Py_None) *slots[i] = THPVariable_Unpack(item);
+      }
+      Py_DECREF(result);
+      TORCH_CHECK(ok, "fasttrans_ext: the second-order attention gradient must be a tuple (dq, dk, dv, dmask)");
+    } else {
+      const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
+      at::AutoDispatchBelowAutograd below;
+      std::tie(dq, dk, dv, dmask) =
+          attention_bwd_op().call(last_dim_unit_stride(grads[0]), q, k, v, out, lse, optional(mask),
+                                  optional(key_lengths), is_causal, causal_offset, dropout_p, scale, seed, mask_grad);
+      dmask = mask_grad ? dmask.to(mask.scalar_type()) : at::Tensor();
+    }
+    return {dq, dk, dv, dmask, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 namespace {
 
 // y and h (undefined without a residual) of a norm over x's (M, N) rows, through the autograd
@@ -206,6 +298,45 @@ PyObject* norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyTuple_Pack(4, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out.first)).ptr(),
                       pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(out.second)).ptr(), Py_None,
                       Py_None);
+  END_HANDLE_TH_ERRORS
+}
+
+// attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
+// scale, seed) -> (out, lse, or None where a gradient is being recorded): the registered
+// forward op on arguments valid by construction (fasttrans.functional prepares them),
+// through the autograd node when q, k, v or a float mask needs a gradient.
+PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 11, "attention: expected 11 arguments, got ", nargs);
+  for (int i : {1, 2, 3, 4, 5}) {
+    TORCH_CHECK_TYPE(THPVariable_Check(args[i]) || (i > 3 && args[i] == Py_None), "attention: argument ", i,
+                     " must be a tensor");
+  }
+  const bool forced = PyObject_IsTrue(args[0]);
+  const at::Tensor &q = THPVariable_Unpack(args[1]), &k = THPVariable_Unpack(args[2]), &v = THPVariable_Unpack(args[3]);
+  const OptTensor attn_mask = optional_arg(args[4]), key_lengths = optional_arg(args[5]);
+  const bool is_causal = PyObject_IsTrue(args[6]);
+  const int64_t causal_offset = PyLong_AsLongLong(args[7]);
+  const double dropout_p = PyFloat_AsDouble(args[8]);
+  const double scale = PyFloat_AsDouble(args[9]);
+  const int64_t seed = PyLong_AsLongLong(args[10]);
+  if (PyErr_Occurred()) return nullptr;
+  at::Tensor out, lse;
+  {
+    pybind11::gil_scoped_release no_gil;
+    const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                     (attn_mask && attn_mask->requires_grad()));
+    if (grad) {
+      out = AttentionFunction::apply(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                                     seed, forced)[0];
+    } else {
+      at::AutoDispatchBelowAutograd below;
+      std::tie(out, lse) =
+          attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+    }
+  }
+  return PyTuple_Pack(2, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out)).ptr(),
+                      pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(lse)).ptr());
   END_HANDLE_TH_ERRORS
 }
 
@@ -268,16 +399,21 @@ PyObject* norm_common(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// set_second_order(fn): fn(forced, rms, eps, (needs_x, needs_weight, needs_bias), x, residual,
-// weight, bias, dy, dh) -> (dx, dweight, dbias), dx including dh, computes a norm's gradient
-// under create_graph=True (see the header).
-PyObject* set_second_order(PyObject*, PyObject* fn) {
-  if (!PyCallable_Check(fn)) {
-    PyErr_SetString(PyExc_TypeError, "set_second_order: expected a callable");
+// set_second_order(norm, attention): the functions computing the gradients under
+// create_graph=True (see the header).
+//   norm(forced, rms, eps, (needs_x, needs_weight, needs_bias), x, residual, weight, bias, dy, dh)
+//     -> (dx, dweight, dbias), dx including dh
+//   attention(forced, (needs_q, needs_k, needs_v, needs_mask), q, k, v, attn_mask, key_lengths,
+//             is_causal, causal_offset, dropout_p, scale, seed, dout) -> (dq, dk, dv, dmask)
+PyObject* set_second_order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "set_second_order: expected two callables (norm, attention)");
     return nullptr;
   }
-  Py_INCREF(fn);
-  Py_XSETREF(second_order_norm, fn);
+  Py_INCREF(args[0]);
+  Py_XSETREF(second_order_norm, args[0]);
+  Py_INCREF(args[1]);
+  Py_XSETREF(second_order_attention, args[1]);
   Py_RETURN_NONE;
 }
 
@@ -286,11 +422,15 @@ PyMethodDef methods[] = {
      "norm(forced, x, residual, weight, bias, eps, rms) -> (y, h, None, None)"},
     {"norm_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm_common)), METH_FASTCALL,
      "norm_common(forced, x, residual, weight, bias, eps, rms, n) -> (y, h) or None"},
-    {"set_second_order", set_second_order, METH_O, "set_second_order(fn): the create_graph=True norm gradient"},
+    {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,
+     "attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed) -> "
+     "(out, lse or None)"},
+    {"set_second_order", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_second_order)),
+     METH_FASTCALL, "set_second_order(norm, attention): the create_graph=True gradients"},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttrans_ext", "fasttrans's eager norm route", -1, methods};
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttrans_ext", "fasttrans's eager route for the extension's norms and attention", -1, methods};
 
 }  // namespace
 }  // namespace fasttrans::eager

@@ -363,8 +363,10 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
                                    and key_lengths.is_contiguous() and type(key_lengths) in _PLAIN_TENSORS):
             scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
             seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
-            _, forward, function, _ = backends.selected_route("attention", device, q.dtype)
+            _, forward, function, native = backends.selected_route("attention", device, q.dtype)
             args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
+            if native is not None:  # the backend's native entry records the gradient when one is needed
+                return native(*args)[0]
             if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 return function(*args)[0]
             return forward(*args)[0]

@@ -245,12 +245,16 @@ def test_eager_calls_with_a_gradient_apply_the_eager_function():
     x = torch.randn(3, 16, requires_grad=True)
     q = torch.randn(1, 2, 3, 8, requires_grad=True)
     name = backends.select_backend("norm", "cpu", x.dtype).name
-    # the extension's norm records its C++ autograd node (csrc/eager.cpp)
-    norm_node = "torch::autograd::CppNode<fasttrans::eager::NormFunction>" if name == "extension" else f"norm_fwd_{name}_eagerBackward"
+    # the extension's norms and attention record their C++ autograd nodes (csrc/eager.cpp)
+    native = "torch::autograd::CppNode<fasttrans::eager::{}Function>".format if name == "extension" else None
+    norm_node = native("Norm") if native else f"norm_fwd_{name}_eagerBackward"
     assert _node_name(fasttrans.layer_norm(x, 16)) == norm_node
     assert _node_name(fasttrans.add_layer_norm(x, x.detach())[1]) == norm_node
     assert _node_name(fasttrans.rms_norm(x, 16)) == norm_node
-    assert _graph_node(fasttrans.attention(q, q, q)) == f"attention_fwd_{name}_eagerBackward"
+    attention_node = native("Attention") if native else f"attention_fwd_{name}_eagerBackward"
+    assert _node_name(fasttrans.attention(q, q, q)) == attention_node
+    mask = torch.randn(3, 3, requires_grad=True)
+    assert _node_name(fasttrans.attention(q, q, q, attn_mask=mask)) == attention_node
     assert _graph_node(fasttrans.functional.dropout(x, 0.5)) == f"dropout_fwd_{name}_eagerBackward"
 
 

@@ -161,6 +161,17 @@ def _extension_norm_second_order(forced: bool, rms, eps, needs, x, residual, wei
     return norm_grad_with_graph("extension", "extension" if forced else None, rms, eps, needs, x, weight, bias, dy, dh)
 
 
+def _extension_attention_second_order(forced: bool, needs, q, k, v, attn_mask, key_lengths, is_causal,
+                                      causal_offset, dropout_p, scale, seed, dout) -> tuple:
+    """(dq, dk, dv, dmask) under backward(create_graph=True) for the extension's C++
+    autograd node (csrc/eager.cpp): the reference forward's, as the Python route computes them."""
+    _check_second_order("attention", "extension", "extension" if forced else None)
+    return _grad_with_graph(
+        lambda q, k, v, m: reference.ReferenceImpl.attention_fwd(
+            q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
+        (q, k, v, attn_mask), needs, (dout,))
+
+
 def _grad_with_graph(forward: Callable, inputs: tuple, needs: tuple, grad_outputs: tuple) -> tuple:
     """Gradients of forward(*inputs) against grad_outputs for the inputs in needs (None for
     the rest), recorded so that they can be differentiated again."""
@@ -233,7 +244,8 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
     for eager calls: its implementation's forward (its ``<kind>_infer`` where it has one),
     called as it is when nothing needs a gradient, and a function applying the forward
     through an autograd.Function (``call.function``) with the op's gradient formulas; the
-    extension's norm applies them through a C++ autograd node instead (csrc/eager.cpp).
+    extension's norms and attention apply them through C++ autograd nodes instead
+    (csrc/eager.cpp).
     Both take the registered forward op's arguments and return its outputs, absent ones
     (and, from ``call``, the statistics only a backward reads) as None where the op
     returns empty tensors."""
@@ -247,8 +259,12 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
         infer = getattr(impl, f"{kind}_infer", None)  # optional: the forward without what a backward reads
         eager = _native_eager(impl, kind)
         if eager is not None:
-            def call(*args, _norm=eager.norm):
-                return _norm(current_forced_backend() == name, *args)
+            native = getattr(eager, kind)
+
+            def call(*args):
+                return native(current_forced_backend() == name, *args)
+            if kind == "attention":  # the native entry runs the forward alone when nothing needs a gradient
+                forward = call
         else:
             formulas = _autograd_formulas(name, *methods[1::2])
             call = _eager_function(name, kind, forward, *formulas[kind])
@@ -257,13 +273,17 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
 
 
 def _native_eager(impl, kind: str):
-    """The implementation's native eager module for ``kind`` (the extension's norm, see
-    csrc/eager.cpp), ready to call; None where there is none."""
+    """The implementation's native eager module for ``kind`` (the extension's norms and
+    attention, see csrc/eager.cpp), ready to call; None where there is none."""
     eager = getattr(impl, "eager", None)
-    if kind != "norm" or eager is None:
+    if kind not in _NATIVE_COMMON or eager is None:
         return None
-    eager.set_second_order(_extension_norm_second_order)
+    eager.set_second_order(_extension_norm_second_order, _extension_attention_second_order)
     return eager
+
+
+# The native entry of each kind for the common case of an eager call (selected_route)
+_NATIVE_COMMON = {"norm": "norm_common", "attention": "attention"}
 
 
 def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
@@ -281,7 +301,7 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
     if route is None:
         name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised
         eager = _native_eager(BACKENDS[name].impl(), kind)
-        common = None if eager is None else functools.partial(eager.norm_common, forced == name)
+        common = None if eager is None else functools.partial(getattr(eager, _NATIVE_COMMON[kind]), forced == name)
         route = _selected_routes[key] = (name, *eager_route(name, kind), common)
     return route
 
