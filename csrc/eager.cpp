@@ -20,6 +20,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 
@@ -301,10 +303,33 @@ PyObject* norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// out and lse (undefined where a gradient is being recorded) of attention on arguments valid by
+// construction, through the autograd node when q, k, v or a float mask needs a gradient.
+std::pair<at::Tensor, at::Tensor> run_attention(bool forced, const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const OptTensor& attn_mask,
+                                                const OptTensor& key_lengths, bool is_causal, int64_t causal_offset,
+                                                double dropout_p, double scale, int64_t seed) {
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                   (attn_mask && attn_mask->requires_grad()));
+  if (grad) {
+    return {AttentionFunction::apply(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                                     seed, forced)[0],
+            at::Tensor()};
+  }
+  at::AutoDispatchBelowAutograd below;
+  auto [out, lse] =
+      attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+  return {out, lse};
+}
+
+PyObject* wrap_pair(std::pair<at::Tensor, at::Tensor> out) {
+  return PyTuple_Pack(2, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out.first)).ptr(),
+                      pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(out.second)).ptr());
+}
+
 // attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
 // scale, seed) -> (out, lse, or None where a gradient is being recorded): the registered
-// forward op on arguments valid by construction (fasttrans.functional prepares them),
-// through the autograd node when q, k, v or a float mask needs a gradient.
+// forward op on arguments valid by construction (fasttrans.functional prepares them).
 PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(nargs == 11, "attention: expected 11 arguments, got ", nargs);
@@ -321,22 +346,68 @@ PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const double scale = PyFloat_AsDouble(args[9]);
   const int64_t seed = PyLong_AsLongLong(args[10]);
   if (PyErr_Occurred()) return nullptr;
-  at::Tensor out, lse;
+  std::pair<at::Tensor, at::Tensor> out;
   {
     pybind11::gil_scoped_release no_gil;
-    const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                                                     (attn_mask && attn_mask->requires_grad()));
-    if (grad) {
-      out = AttentionFunction::apply(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
-                                     seed, forced)[0];
-    } else {
-      at::AutoDispatchBelowAutograd below;
-      std::tie(out, lse) =
-          attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
-    }
+    out = run_attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
   }
-  return PyTuple_Pack(2, pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(out)).ptr(),
-                      pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(lse)).ptr());
+  return wrap_pair(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// Whether t is a plain 4-D strided tensor with unit inner stride, of dtype and device.
+bool plain_operand(PyObject* obj, at::ScalarType dtype, const at::Device& device) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  return t.layout() == at::kStrided && t.dim() == 4 && t.stride(3) == 1 && t.scalar_type() == dtype &&
+         t.device() == device;
+}
+
+// attention_common(forced, q, k, v, is_causal, causal_offset, scale, max_head_dim) -> (out,
+// lse or None), or None when the call is not the common case, which the caller's general
+// route then takes (and reports, when it is invalid). The common case, without mask, key
+// lengths or dropout: q (B, H, Lq, D) and k, v (B, Hkv, Lk, D) plain strided tensors of one
+// dtype and device with unit inner stride, none of B, H, Lq, Lk, Hkv zero, Hkv dividing H,
+// D at most max_head_dim; is_causal a bool, causal_offset an int, scale None or a finite
+// float. The caller has checked q's type and dtype and that no transform is active.
+PyObject* attention_common(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 8, "attention_common: expected 8 arguments, got ", nargs);
+  if (!THPVariable_CheckExact(args[1]) || !PyBool_Check(args[4]) || !PyLong_CheckExact(args[5]) ||
+      !(args[6] == Py_None || PyFloat_CheckExact(args[6]))) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& q = THPVariable_Unpack(args[1]);
+  if (q.layout() != at::kStrided || q.dim() != 4 || q.stride(3) != 1 || !plain_operand(args[2], q.scalar_type(), q.device()) ||
+      !plain_operand(args[3], q.scalar_type(), q.device())) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor &k = THPVariable_Unpack(args[2]), &v = THPVariable_Unpack(args[3]);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2);
+  const int64_t max_head_dim = PyLong_AsLongLong(args[7]);
+  if (max_head_dim == -1 && PyErr_Occurred()) return nullptr;
+  if (B == 0 || H == 0 || Lq == 0 || D == 0 || D > max_head_dim || Hkv == 0 || Lk == 0 || H % Hkv != 0 ||
+      k.size(0) != B || k.size(3) != D || v.sizes() != k.sizes()) {
+    Py_RETURN_NONE;
+  }
+  int overflow = 0;
+  const long long offset = PyLong_AsLongLongAndOverflow(args[5], &overflow);
+  // clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq or below none sees any)
+  const int64_t causal_offset = overflow > 0 ? Lk : overflow < 0 ? -Lq : std::max<int64_t>(-Lq, std::min<int64_t>(offset, Lk));
+  double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  if (args[6] != Py_None) {
+    scale = PyFloat_AS_DOUBLE(args[6]);
+    if (!std::isfinite(scale)) Py_RETURN_NONE;
+  }
+  const bool forced = PyObject_IsTrue(args[0]);
+  const bool is_causal = args[4] == Py_True;
+  std::pair<at::Tensor, at::Tensor> out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = run_attention(forced, q, k, v, std::nullopt, std::nullopt, is_causal, causal_offset, 0.0, scale, 0);
+  }
+  return wrap_pair(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -425,6 +496,9 @@ PyMethodDef methods[] = {
     {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,
      "attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed) -> "
      "(out, lse or None)"},
+    {"attention_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention_common)),
+     METH_FASTCALL,
+     "attention_common(forced, q, k, v, is_causal, causal_offset, scale, max_head_dim) -> (out, lse) or None"},
     {"set_second_order", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_second_order)),
      METH_FASTCALL, "set_second_order(norm, attention): the create_graph=True gradients"},
     {nullptr, nullptr, 0, nullptr},

@@ -100,7 +100,7 @@ def _run(kind: str, device: torch.device, dtype: torch.dtype, grad_inputs: tuple
     one of grad_inputs needs a gradient. Absent outputs come back as None or empty tensors."""
     if _is_compiling():
         return backends.forward_op(_selected_backend(kind, str(device), dtype), kind)(*args)
-    name, forward, function, _ = backends.selected_route(kind, device, dtype)
+    name, forward, function, _, _ = backends.selected_route(kind, device, dtype)
     # Under torch.func.vmap a batched input reports requires_grad=False even when the
     # tensor it wraps needs a gradient: only the op's own autograd kernel sees the truth.
     if _dispatch_stack_len is None or _functorch.maybe_current_level() is not None or _dispatch_stack_len():
@@ -336,6 +336,18 @@ def attention(
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
+    if (attn_mask is None and key_lengths is None and type(dropout_p) is float and dropout_p == 0.0
+            and type(q) in _PLAIN_TENSORS and not _is_compiling() and _functorch.maybe_current_level() is None
+            and getattr(_fwAD, "_current_level", 0) < 0 and _dispatch_stack_len is not None
+            and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
+        try:
+            common = backends.selected_route("attention", q.device, q.dtype)[4]
+        except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
+            common = None
+        if common is not None:  # the backend checks the rest of the common case and runs it natively
+            out = common(q, k, v, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+            if out is not None:
+                return out[0]
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
 
@@ -363,7 +375,7 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
                                    and key_lengths.is_contiguous() and type(key_lengths) in _PLAIN_TENSORS):
             scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
             seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
-            _, forward, function, native = backends.selected_route("attention", device, q.dtype)
+            _, forward, function, native, _ = backends.selected_route("attention", device, q.dtype)
             args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
             if native is not None:  # the backend's native entry records the gradient when one is needed
                 return native(*args)[0]
@@ -606,7 +618,7 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
         return None
     device = x.device
     try:
-        _, forward, function, common = backends.selected_route("norm", device, dtype)
+        _, forward, function, _, common = backends.selected_route("norm", device, dtype)
     except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
         return None
     if common is not None:  # the backend checks the rest and runs the call natively

@@ -164,6 +164,42 @@ def test_public_norms_match_the_registered_op(case, dtype):
         assert view.next_functions[0][0].name().endswith("NormFunction>")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64])
+@pytest.mark.parametrize("case", ["plain", "gqa_causal", "offset_past_int64", "negative_offset_scale",
+                                  "head_major_views", "no_grad"])
+def test_public_attention_matches_the_registered_op(case, dtype):
+    """The public attention in its common case (no mask, key lengths or dropout; the
+    extension's native entry on CPU, see csrc/eager.cpp): the output and gradients the
+    registered op gives on the prepared arguments, bit for bit."""
+    backend = backends.select_backend("attention", "cpu", dtype).name
+    op = backends.forward_op(backend, "attention")
+    B, H, Hkv, Lq, Lk, D = 2, 4, (2 if case == "gqa_causal" else 4), 5, 7, 16
+    is_causal = case in ("gqa_causal", "offset_past_int64", "negative_offset_scale")
+    offset = {"offset_past_int64": 2 ** 70, "negative_offset_scale": -3}.get(case, 0)
+    scale = 0.3 if case == "negative_offset_scale" else None
+    q = torch.randn(B, Lq, H, D, dtype=dtype).transpose(1, 2) if case == "head_major_views" else \
+        torch.randn(B, H, Lq, D, dtype=dtype)
+    k, v = torch.randn(B, Hkv, Lk, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype)
+    dout = torch.randn(B, H, Lq, D, dtype=dtype)
+    grad = case != "no_grad"
+    op_offset = max(-Lq, min(offset, Lk))
+    op_scale = D ** -0.5 if scale is None else scale
+    results = []
+    for call in ("registered", "public"):
+        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        if call == "registered":
+            out = op(*leaves, None, None, is_causal, op_offset, 0.0, op_scale, 0)[0]
+        else:
+            out = fasttrans.attention(*leaves, is_causal=is_causal, causal_offset=offset, scale=scale)
+        assert (out.grad_fn is not None) == grad
+        grads = torch.autograd.grad((out * dout).sum(), leaves) if grad else ()
+        results.append(([out.detach()], grads))
+    _assert_same(*results)
+    if backend == "extension" and grad:
+        out = fasttrans.attention(*[t.requires_grad_() for t in (q, k, v)], is_causal=is_causal)
+        assert _node_name(out) == "torch::autograd::CppNode<fasttrans::eager::AttentionFunction>"
+
+
 @pytest.mark.parametrize("backend", backend_params("dropout"))
 def test_dropout_routes_agree(backend):
     x = torch.randn(64, 33)

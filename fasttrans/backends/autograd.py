@@ -276,23 +276,21 @@ def _native_eager(impl, kind: str):
     """The implementation's native eager module for ``kind`` (the extension's norms and
     attention, see csrc/eager.cpp), ready to call; None where there is none."""
     eager = getattr(impl, "eager", None)
-    if kind not in _NATIVE_COMMON or eager is None:
+    if kind not in ("norm", "attention") or eager is None:
         return None
     eager.set_second_order(_extension_norm_second_order, _extension_attention_second_order)
     return eager
 
 
-# The native entry of each kind for the common case of an eager call (selected_route)
-_NATIVE_COMMON = {"norm": "norm_common", "attention": "attention"}
-
-
 def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
-    """(name, forward, function, common): the backend :func:`select_backend` selects for
-    ``kind`` on (device, dtype), its :func:`eager_route`, and, where the backend has one, a
-    native entry for the common case of an eager call (else None; see
-    fasttrans.functional._norm_fast), in one lookup per call (all are asked on every eager
-    call). Memoised under the same key as the selection, with the environment variables
-    that selection reads."""
+    """(name, forward, function, native, common): the backend :func:`select_backend` selects
+    for ``kind`` on (device, dtype), its :func:`eager_route`, and, where the backend has
+    them (the extension's norms and attention, csrc/eager.cpp; else None), its native entry
+    taking the registered forward op's arguments and recording the gradient when one is
+    needed, and its native entry for the common case of a public call, which checks the
+    rest of the call itself and returns None for any other (see fasttrans.functional). One
+    lookup per call: all are asked on every eager call. Memoised under the same key as the
+    selection, with the environment variables that selection reads."""
     forced = _forced.get()
     if forced is _FROM_ENV:
         forced = environ.getenv("FASTTRANS_BACKEND") or None
@@ -301,8 +299,11 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
     if route is None:
         name = select_backend(kind, device, dtype).name  # raises where it cannot run: never memoised
         eager = _native_eager(BACKENDS[name].impl(), kind)
-        common = None if eager is None else functools.partial(getattr(eager, _NATIVE_COMMON[kind]), forced == name)
-        route = _selected_routes[key] = (name, *eager_route(name, kind), common)
+        native = common = None
+        if eager is not None:
+            native = functools.partial(getattr(eager, kind), forced == name)
+            common = functools.partial(getattr(eager, f"{kind}_common"), forced == name)
+        route = _selected_routes[key] = (name, *eager_route(name, kind), native, common)
     return route
 
 
