@@ -13,6 +13,7 @@
 // same backward op on the same saved tensors, so both routes agree bit for bit. Under
 // backward(create_graph=True) the node calls back into Python (set_second_order), where
 // the reference implementation computes a differentiable gradient.
+#include <ATen/Dispatch.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -21,6 +22,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -363,49 +365,101 @@ bool plain_operand(PyObject* obj, at::ScalarType dtype, const at::Device& device
          t.device() == device;
 }
 
-// attention_common(forced, q, k, v, is_causal, causal_offset, scale, max_head_dim) -> (out,
-// lse or None), or None when the call is not the common case, which the caller's general
-// route then takes (and reports, when it is invalid). The common case, without mask, key
-// lengths or dropout: q (B, H, Lq, D) and k, v (B, Hkv, Lk, D) plain strided tensors of one
+// The mask of the common case expanded to (B, H, Lq, Lk) (a view, never materialised), or
+// nullopt when it is not the common case: a plain strided bool mask, or a float one in q's
+// dtype or float32, on q's device, broadcastable to (B, H, Lq, Lk).
+std::optional<OptTensor> common_mask(PyObject* obj, const at::Tensor& q, int64_t Lk) {
+  if (obj == Py_None) return OptTensor();
+  if (!THPVariable_CheckExact(obj)) return std::nullopt;
+  const at::Tensor& m = THPVariable_Unpack(obj);
+  const std::array<int64_t, 4> target{q.size(0), q.size(1), q.size(2), Lk};
+  if (m.layout() != at::kStrided || m.dim() > 4 || m.device() != q.device() ||
+      !(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type() || m.scalar_type() == at::kFloat)) {
+    return std::nullopt;
+  }
+  for (int64_t i = 1; i <= m.dim(); ++i) {
+    const int64_t size = m.size(-i);
+    if (size != 1 && size != target[4 - i]) return std::nullopt;
+  }
+  return OptTensor(m.expand(target));
+}
+
+// The key lengths of the common case as the contiguous int32 (B,) tensor the ops take, or
+// nullopt when they are not the common case: a plain strided (B,) integer tensor on q's
+// device whose values, when they are on the CPU, lie in [0, Lk] (on a GPU they are not read:
+// that would synchronise the call; the kernels clamp them).
+std::optional<OptTensor> common_key_lengths(PyObject* obj, const at::Tensor& q, int64_t Lk) {
+  if (obj == Py_None) return OptTensor();
+  if (!THPVariable_CheckExact(obj)) return std::nullopt;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.layout() != at::kStrided || t.dim() != 1 || t.size(0) != q.size(0) || t.device() != q.device() ||
+      !at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    return std::nullopt;
+  }
+  if (t.device().is_cpu()) {
+    bool in_range = true;
+    AT_DISPATCH_INTEGRAL_TYPES(t.scalar_type(), "key_lengths", [&] {
+      const scalar_t* p = t.const_data_ptr<scalar_t>();
+      for (int64_t b = 0; b < t.size(0); ++b) {
+        const int64_t value = static_cast<int64_t>(p[b * t.stride(0)]);
+        in_range = in_range && value >= 0 && value <= Lk;
+      }
+    });
+    if (!in_range) return std::nullopt;
+  }
+  if (t.scalar_type() == at::kInt && t.is_contiguous()) return OptTensor(t);
+  return OptTensor(t.to(at::kInt).contiguous());
+}
+
+// attention_common(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale,
+// max_head_dim) -> (out, lse or None), or None when the call is not the common case, which
+// the caller's general route then takes (and reports, when it is invalid). The common case,
+// without dropout: q (B, H, Lq, D) and k, v (B, Hkv, Lk, D) plain strided tensors of one
 // dtype and device with unit inner stride, none of B, H, Lq, Lk, Hkv zero, Hkv dividing H,
-// D at most max_head_dim; is_causal a bool, causal_offset an int, scale None or a finite
-// float. The caller has checked q's type and dtype and that no transform is active.
+// D at most max_head_dim; the mask and key lengths as common_mask and common_key_lengths
+// take them; is_causal a bool, causal_offset an int, scale None or a finite float. The
+// caller has checked q's type and dtype and that no transform is active.
 PyObject* attention_common(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(nargs == 8, "attention_common: expected 8 arguments, got ", nargs);
-  if (!THPVariable_CheckExact(args[1]) || !PyBool_Check(args[4]) || !PyLong_CheckExact(args[5]) ||
-      !(args[6] == Py_None || PyFloat_CheckExact(args[6]))) {
+  TORCH_CHECK(nargs == 10, "attention_common: expected 10 arguments, got ", nargs);
+  if (!THPVariable_CheckExact(args[1]) || !PyBool_Check(args[6]) || !PyLong_CheckExact(args[7]) ||
+      !(args[8] == Py_None || PyFloat_CheckExact(args[8]))) {
     Py_RETURN_NONE;
   }
   const at::Tensor& q = THPVariable_Unpack(args[1]);
-  if (q.layout() != at::kStrided || q.dim() != 4 || q.stride(3) != 1 || !plain_operand(args[2], q.scalar_type(), q.device()) ||
-      !plain_operand(args[3], q.scalar_type(), q.device())) {
+  if (q.layout() != at::kStrided || q.dim() != 4 || q.stride(3) != 1 ||
+      !plain_operand(args[2], q.scalar_type(), q.device()) || !plain_operand(args[3], q.scalar_type(), q.device())) {
     Py_RETURN_NONE;
   }
   const at::Tensor &k = THPVariable_Unpack(args[2]), &v = THPVariable_Unpack(args[3]);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2);
-  const int64_t max_head_dim = PyLong_AsLongLong(args[7]);
+  const int64_t max_head_dim = PyLong_AsLongLong(args[9]);
   if (max_head_dim == -1 && PyErr_Occurred()) return nullptr;
   if (B == 0 || H == 0 || Lq == 0 || D == 0 || D > max_head_dim || Hkv == 0 || Lk == 0 || H % Hkv != 0 ||
       k.size(0) != B || k.size(3) != D || v.sizes() != k.sizes()) {
     Py_RETURN_NONE;
   }
+  const std::optional<OptTensor> attn_mask = common_mask(args[4], q, Lk);
+  if (!attn_mask) Py_RETURN_NONE;
+  const std::optional<OptTensor> key_lengths = common_key_lengths(args[5], q, Lk);
+  if (!key_lengths) Py_RETURN_NONE;
   int overflow = 0;
-  const long long offset = PyLong_AsLongLongAndOverflow(args[5], &overflow);
+  const long long offset = PyLong_AsLongLongAndOverflow(args[7], &overflow);
   // clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq or below none sees any)
-  const int64_t causal_offset = overflow > 0 ? Lk : overflow < 0 ? -Lq : std::max<int64_t>(-Lq, std::min<int64_t>(offset, Lk));
+  const int64_t causal_offset =
+      overflow > 0 ? Lk : overflow < 0 ? -Lq : std::max<int64_t>(-Lq, std::min<int64_t>(offset, Lk));
   double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  if (args[6] != Py_None) {
-    scale = PyFloat_AS_DOUBLE(args[6]);
+  if (args[8] != Py_None) {
+    scale = PyFloat_AS_DOUBLE(args[8]);
     if (!std::isfinite(scale)) Py_RETURN_NONE;
   }
   const bool forced = PyObject_IsTrue(args[0]);
-  const bool is_causal = args[4] == Py_True;
+  const bool is_causal = args[6] == Py_True;
   std::pair<at::Tensor, at::Tensor> out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = run_attention(forced, q, k, v, std::nullopt, std::nullopt, is_causal, causal_offset, 0.0, scale, 0);
+    out = run_attention(forced, q, k, v, *attn_mask, *key_lengths, is_causal, causal_offset, 0.0, scale, 0);
   }
   return wrap_pair(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -498,7 +552,8 @@ PyMethodDef methods[] = {
      "(out, lse or None)"},
     {"attention_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention_common)),
      METH_FASTCALL,
-     "attention_common(forced, q, k, v, is_causal, causal_offset, scale, max_head_dim) -> (out, lse) or None"},
+     "attention_common(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim) "
+     "-> (out, lse) or None"},
     {"set_second_order", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_second_order)),
      METH_FASTCALL, "set_second_order(norm, attention): the create_graph=True gradients"},
     {nullptr, nullptr, 0, nullptr},

@@ -336,8 +336,7 @@ def attention(
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if (attn_mask is None and key_lengths is None and type(dropout_p) is float and dropout_p == 0.0
-            and type(q) in _PLAIN_TENSORS and not _is_compiling() and _functorch.maybe_current_level() is None
+    if (type(dropout_p) is float and dropout_p == 0.0 and type(q) in _PLAIN_TENSORS and not _is_compiling() and _functorch.maybe_current_level() is None
             and getattr(_fwAD, "_current_level", 0) < 0 and _dispatch_stack_len is not None
             and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
         try:
@@ -345,7 +344,7 @@ def attention(
         except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
             common = None
         if common is not None:  # the backend checks the rest of the common case and runs it natively
-            out = common(q, k, v, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+            out = common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
             if out is not None:
                 return out[0]
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)

@@ -166,11 +166,12 @@ def test_public_norms_match_the_registered_op(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64])
 @pytest.mark.parametrize("case", ["plain", "gqa_causal", "offset_past_int64", "negative_offset_scale",
-                                  "head_major_views", "no_grad"])
+                                  "head_major_views", "no_grad", "bool_mask", "float_mask_grad",
+                                  "key_lengths_int64"])
 def test_public_attention_matches_the_registered_op(case, dtype):
-    """The public attention in its common case (no mask, key lengths or dropout; the
-    extension's native entry on CPU, see csrc/eager.cpp): the output and gradients the
-    registered op gives on the prepared arguments, bit for bit."""
+    """The public attention in its common case (no dropout; the extension's native entry on
+    CPU, see csrc/eager.cpp): the output and gradients the registered op gives on the
+    prepared arguments (mask expanded, key lengths in int32), bit for bit."""
     backend = backends.select_backend("attention", "cpu", dtype).name
     op = backends.forward_op(backend, "attention")
     B, H, Hkv, Lq, Lk, D = 2, 4, (2 if case == "gqa_causal" else 4), 5, 7, 16
@@ -181,20 +182,36 @@ def test_public_attention_matches_the_registered_op(case, dtype):
         torch.randn(B, H, Lq, D, dtype=dtype)
     k, v = torch.randn(B, Hkv, Lk, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype)
     dout = torch.randn(B, H, Lq, D, dtype=dtype)
+    mask = key_lengths = None
+    if case == "bool_mask":  # broadcast over batch and heads, one query with no key
+        mask = torch.rand(Lq, Lk) > 0.4
+        mask[1] = False
+    if case == "float_mask_grad":
+        mask = torch.randn(1, H, Lq, Lk, dtype=dtype)
+    if case == "key_lengths_int64":
+        key_lengths = torch.tensor([Lk - 2, 0])
     grad = case != "no_grad"
     op_offset = max(-Lq, min(offset, Lk))
     op_scale = D ** -0.5 if scale is None else scale
     results = []
     for call in ("registered", "public"):
         leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        m = None if mask is None else mask.clone().requires_grad_(case == "float_mask_grad")
         if call == "registered":
-            out = op(*leaves, None, None, is_causal, op_offset, 0.0, op_scale, 0)[0]
+            out = op(*leaves, None if m is None else m.expand(B, H, Lq, Lk),
+                     None if key_lengths is None else key_lengths.int(), is_causal, op_offset, 0.0, op_scale, 0)[0]
         else:
-            out = fasttrans.attention(*leaves, is_causal=is_causal, causal_offset=offset, scale=scale)
+            out = fasttrans.attention(*leaves, attn_mask=m, key_lengths=key_lengths, is_causal=is_causal,
+                                      causal_offset=offset, scale=scale)
         assert (out.grad_fn is not None) == grad
-        grads = torch.autograd.grad((out * dout).sum(), leaves) if grad else ()
+        wrt = leaves + ([m] if case == "float_mask_grad" else [])
+        grads = torch.autograd.grad((out * dout).sum(), wrt) if grad else ()
         results.append(([out.detach()], grads))
     _assert_same(*results)
+    if backend == "extension":  # the call was the native entry's common case, not sent back to the Python route
+        common = backends.selected_route("attention", q.device, dtype)[4]
+        args = (q, k, v, mask, key_lengths, is_causal, offset, scale, fasttrans.functional.MAX_HEAD_DIM)
+        assert common(*args) is not None
     if backend == "extension" and grad:
         out = fasttrans.attention(*[t.requires_grad_() for t in (q, k, v)], is_causal=is_causal)
         assert _node_name(out) == "torch::autograd::CppNode<fasttrans::eager::AttentionFunction>"
