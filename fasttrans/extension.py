@@ -49,7 +49,9 @@ __all__ = ["load", "build_info", "ExtensionBuildError", "source_dir", "cache_roo
 
 _NAME = "fasttrans_ext"
 _CPU_SOURCES = ("registration.cpp", "cpu_allocator.cpp", "attention_cpu.cpp", "layernorm_cpu.cpp", "dropout_cpu.cpp",
-                "masks_cpu.cpp", "layer_cpu.cpp", "eager.cpp")
+                "masks_cpu.cpp", "layer_cpu.cpp")
+# the Python module of the eager route (built where Python's C headers are installed)
+_EAGER_SOURCES = ("eager.cpp",)
 _CUDA_SOURCES = ("cuda_binding.cpp", "attention_cuda.cu", "layernorm_cuda.cu", "dropout_cuda.cu")
 _OPS = (
     "attention_fwd_extension",
@@ -179,16 +181,24 @@ def _cuda_plan() -> tuple[bool, str | None, str]:
     return True, None, ";".join(f"{major}.{minor}" for major, minor in caps)
 
 
-def _sources(with_cuda: bool) -> list[Path]:
+def _sources(with_cuda: bool, with_eager: bool = True) -> list[Path]:
     src = source_dir()
-    names = _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())
+    names = _CPU_SOURCES + (_EAGER_SOURCES if with_eager else ()) + (_CUDA_SOURCES if with_cuda else ())
     return [src / n for n in names]
 
 
-def _source_hash(with_cuda: bool) -> str:
+def _python_headers() -> bool:
+    """Whether Python's C headers are installed: the eager module (csrc/eager.cpp) needs them;
+    the ops do not."""
+    import sysconfig
+
+    return (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
+
+
+def _source_hash(with_cuda: bool, with_eager: bool = True) -> str:
     src = source_dir()
     h = hashlib.sha256()
-    files = sorted(set(_sources(with_cuda)) | set(src.glob("*.h")) | set(src.glob("*.cuh")))
+    files = sorted(set(_sources(with_cuda, with_eager)) | set(src.glob("*.h")) | set(src.glob("*.cuh")))
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
@@ -277,6 +287,11 @@ class _Plan:
         self.cflags, macros, self.notes = _host_flags(self.cxx)
         self.ldflags = ["-fopenmp"] if "-fopenmp" in self.cflags else []
         self.with_cuda, self.cuda_reason, self.cuda_archs = _cuda_plan()
+        self.with_eager = _python_headers()
+        if not self.with_eager:
+            self.notes.append("Python's C headers (Python.h) are not installed: eager calls take the Python route "
+                              "to the ops, at a higher host cost per call (install the python3-dev package to "
+                              "build the native one)")
         self.cuda_cflags = ["-O3", "-lineinfo"] if self.with_cuda else []
         key = {
             "fasttrans": __version__,
@@ -290,7 +305,7 @@ class _Plan:
             "macros": hashlib.sha256(macros.encode()).hexdigest(),
             "cuda_cflags": self.cuda_cflags,
             "cuda_arch": self.cuda_archs,
-            "sources": _source_hash(self.with_cuda),
+            "sources": _source_hash(self.with_cuda, self.with_eager),
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.build_dir = cache_root() / f"ext-{__version__}-torch{torch.__version__}-{digest}"
@@ -366,7 +381,7 @@ def _build(plan: _Plan, verbose: bool) -> None:
     try:
         cpp_extension.load(
             name=_NAME,
-            sources=[str(s) for s in _sources(plan.with_cuda)],
+            sources=[str(s) for s in _sources(plan.with_cuda, plan.with_eager)],
             extra_cflags=plan.cflags,
             extra_cuda_cflags=plan.cuda_cflags,
             extra_ldflags=plan.ldflags,
@@ -423,7 +438,8 @@ def load(verbose: bool = False) -> "_ExtensionImpl":
             _error = f"{type(e).__name__}: {e}"
             raise ExtensionBuildError(_error) from e
         _register_debug_fake()
-        _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason, _python_module(plan.library))
+        eager = _python_module(plan.library) if plan.with_eager else None
+        _impl = _ExtensionImpl(plan.with_cuda, plan.cuda_reason, eager)
         _mask_helpers = (torch.ops.fasttrans.padding_key_lengths.default, torch.ops.fasttrans.is_causal_mask.default)
         return _impl
 

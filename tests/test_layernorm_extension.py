@@ -462,6 +462,47 @@ def test_the_cache_key_holds_the_cuda_architectures(monkeypatch):
     assert len(dirs) == 2
 
 
+def test_without_python_headers_the_build_leaves_out_the_eager_module(monkeypatch):
+    """csrc/eager.cpp needs Python.h; the ops do not. Without the headers the plan builds the
+    ops alone, in a directory of its own, and says why in its notes."""
+    with_headers = extension._Plan()
+    assert with_headers.with_eager == extension._python_headers()
+    monkeypatch.setattr(extension, "_python_headers", lambda: False)
+    without = extension._Plan()
+    assert not without.with_eager
+    assert "eager.cpp" in {s.name for s in extension._sources(False, True)}
+    assert "eager.cpp" not in {s.name for s in extension._sources(False, False)}
+    assert (without.build_dir != with_headers.build_dir) == with_headers.with_eager
+    assert any("Python.h" in note for note in without.notes)
+
+
+def test_without_the_eager_module_calls_take_the_python_route(ext):
+    """A library built without its Python module (no Python.h): the norms and attention
+    record the Python route's autograd.Function and give the registered op's numbers."""
+    code = f"""
+        import math
+        import torch
+        from fasttrans import backends, extension
+        setattr(extension, {extension._python_module.__name__!r}, lambda library: None)
+        import fasttrans
+        x, w = torch.randn(3, 16, dtype=torch.float64, requires_grad=True), torch.randn(16, dtype=torch.float64)
+        q = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+        assert extension.load().eager is None
+        y = fasttrans.layer_norm(x, 16, w)
+        out = fasttrans.attention(q, q, q, is_causal=True)
+        assert y.grad_fn.name() == "norm_fwd_extension_eagerBackward", y.grad_fn.name()
+        assert out.grad_fn.name() == "attention_fwd_extension_eagerBackward", out.grad_fn.name()
+        y_op = backends.forward_op("extension", "norm")(x, None, w, None, 1e-5, False)[0]
+        out_op = backends.forward_op("extension", "attention")(q, q, q, None, None, True, 0, 0.0, 1 / math.sqrt(8), 0)[0]
+        assert torch.equal(y, y_op) and torch.equal(out, out_op)
+        assert torch.equal(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(y_op.sum(), x)[0])
+        print("ok")
+    """
+    proc = _python(code)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and stdout.strip() == "ok", stderr
+
+
 def _python(code, env=None, **kw):
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
