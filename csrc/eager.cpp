@@ -26,6 +26,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace fasttrans::eager {
 namespace {
@@ -97,6 +98,29 @@ PyObject* wrap_or_none(const at::Tensor& t) {
   throw error;
 }
 
+pybind11::object tensor_or_none(const at::Tensor& t) {
+  return pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(t));
+}
+
+// fn(*args) with the GIL held (the second-order callbacks): its tuple of n tensors or Nones,
+// the Nones as undefined tensors.
+std::vector<at::Tensor> call_python_gradient(PyObject* fn, const pybind11::tuple& args, Py_ssize_t n,
+                                             const char* what) {
+  TORCH_CHECK(fn != nullptr, "fasttrans_ext: set_second_order was not called");
+  PyObject* result = PyObject_Call(fn, args.ptr(), nullptr);
+  if (result == nullptr) rethrow_python_error();
+  std::vector<at::Tensor> grads(n);
+  bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == n;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(result, i);
+    ok = item == Py_None || THPVariable_Check(item);
+    if (ok && item != Py_None) grads[i] = THPVariable_Unpack(item);
+  }
+  Py_DECREF(result);
+  TORCH_CHECK(ok, "fasttrans_ext: the second-order ", what, " gradient must be a tuple of ", n, " tensors or None");
+  return grads;
+}
+
 }  // namespace
 
 // Named outside the anonymous namespace: its type is the node's name (grad_fn.name()).
@@ -165,25 +189,15 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
                                                                     const at::Tensor& dy, const at::Tensor& dh,
                                                                     bool rms) {
     pybind11::gil_scoped_acquire gil;
-    TORCH_CHECK(second_order_norm != nullptr, "fasttrans_ext: set_second_order was not called");
     auto flag = [&](const char* key) { return pybind11::bool_(ctx->saved_data[key].toBool()); };
-    auto tensor = [](const at::Tensor& t) { return pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(t)); };
-    const pybind11::tuple call_args = pybind11::make_tuple(
-        flag("forced"), pybind11::bool_(rms), ctx->saved_data["eps"].toDouble(),
-        pybind11::make_tuple(flag("needs_x"), flag("needs_weight"), flag("needs_bias")), tensor(x), tensor(residual),
-        tensor(weight), tensor(bias), tensor(dy), tensor(dh));
-    PyObject* result = PyObject_Call(second_order_norm, call_args.ptr(), nullptr);
-    if (result == nullptr) rethrow_python_error();
-    std::tuple<at::Tensor, at::Tensor, at::Tensor> grads;
-    at::Tensor* slots[] = {&std::get<0>(grads), &std::get<1>(grads), &std::get<2>(grads)};
-    const bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3;
-    for (Py_ssize_t i = 0; ok && i < 3; ++i) {
-      PyObject* item = PyTuple_GET_ITEM(result, i);
-      if (item != Py_None) *slots[i] = THPVariable_Unpack(item);
-    }
-    Py_DECREF(result);
-    TORCH_CHECK(ok, "fasttrans_ext: the second-order norm gradient must be a tuple (dx, dweight, dbias)");
-    return grads;
+    const std::vector<at::Tensor> grads = call_python_gradient(
+        second_order_norm,
+        pybind11::make_tuple(flag("forced"), pybind11::bool_(rms), ctx->saved_data["eps"].toDouble(),
+                             pybind11::make_tuple(flag("needs_x"), flag("needs_weight"), flag("needs_bias")),
+                             tensor_or_none(x), tensor_or_none(residual), tensor_or_none(weight), tensor_or_none(bias),
+                             tensor_or_none(dy), tensor_or_none(dh)),
+        3, "norm");
+    return {grads[0], grads[1], grads[2]};
   }
 };
 
@@ -223,25 +237,17 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     at::Tensor dq, dk, dv, dmask;
     if (at::GradMode::is_enabled()) {  // backward(create_graph=True): it must be differentiable itself
       pybind11::gil_scoped_acquire gil;
-      TORCH_CHECK(second_order_attention != nullptr, "fasttrans_ext: set_second_order was not called");
-      auto tensor = [](const at::Tensor& t) { return pybind11::reinterpret_steal<pybind11::object>(wrap_or_none(t)); };
       const auto needs = ctx->saved_data["needs"].toBoolList();
-      const pybind11::tuple call_args = pybind11::make_tuple(
-          pybind11::bool_(ctx->saved_data["forced"].toBool()),
-          pybind11::make_tuple(pybind11::bool_(needs[0]), pybind11::bool_(needs[1]), pybind11::bool_(needs[2]),
-                               pybind11::bool_(needs[3])),
-          tensor(q), tensor(k), tensor(v), tensor(mask), tensor(key_lengths), pybind11::bool_(is_causal),
-          causal_offset, dropout_p, scale, seed, tensor(grads[0]));
-      PyObject* result = PyObject_Call(second_order_attention, call_args.ptr(), nullptr);
-      if (result == nullptr) rethrow_python_error();
-      at::Tensor* slots[] = {&dq, &dk, &dv, &dmask};
-      const bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 4;
-      for (Py_ssize_t i = 0; ok && i < 4; ++i) {
-        PyObject* item = PyTuple_GET_ITEM(result, i);
-        if (item != Py_None) *slots[i] = THPVariable_Unpack(item);
-      }
-      Py_DECREF(result);
-      TORCH_CHECK(ok, "fasttrans_ext: the second-order attention gradient must be a tuple (dq, dk, dv, dmask)");
+      const std::vector<at::Tensor> grads_in = call_python_gradient(
+          second_order_attention,
+          pybind11::make_tuple(pybind11::bool_(ctx->saved_data["forced"].toBool()),
+                               pybind11::make_tuple(pybind11::bool_(needs[0]), pybind11::bool_(needs[1]),
+                                                    pybind11::bool_(needs[2]), pybind11::bool_(needs[3])),
+                               tensor_or_none(q), tensor_or_none(k), tensor_or_none(v), tensor_or_none(mask),
+                               tensor_or_none(key_lengths), pybind11::bool_(is_causal), causal_offset, dropout_p,
+                               scale, seed, tensor_or_none(grads[0])),
+          4, "attention");
+      dq = grads_in[0], dk = grads_in[1], dv = grads_in[2], dmask = grads_in[3];
     } else {
       const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
       at::AutoDispatchBelowAutograd below;
