@@ -565,7 +565,8 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttrans_ext", "fasttrans's eager route for the extension's norms and attention", -1, methods};
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fasttrans_ext",
+                          "fasttrans's eager route for the extension's norms and attention", -1, methods};
 
 }  // namespace
 }  // namespace fasttrans::eager

@@ -336,9 +336,9 @@ def attention(
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if (type(dropout_p) is float and dropout_p == 0.0 and type(q) in _PLAIN_TENSORS and not _is_compiling() and _functorch.maybe_current_level() is None
-            and getattr(_fwAD, "_current_level", 0) < 0 and _dispatch_stack_len is not None
-            and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
+    if (type(dropout_p) is float and dropout_p == 0.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
+            and _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0
+            and _dispatch_stack_len is not None and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
         try:
             common = backends.selected_route("attention", q.device, q.dtype)[4]
         except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks

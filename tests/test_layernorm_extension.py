@@ -493,7 +493,8 @@ def test_without_the_eager_module_calls_take_the_python_route(ext):
         assert y.grad_fn.name() == "norm_fwd_extension_eagerBackward", y.grad_fn.name()
         assert out.grad_fn.name() == "attention_fwd_extension_eagerBackward", out.grad_fn.name()
         y_op = backends.forward_op("extension", "norm")(x, None, w, None, 1e-5, False)[0]
-        out_op = backends.forward_op("extension", "attention")(q, q, q, None, None, True, 0, 0.0, 1 / math.sqrt(8), 0)[0]
+        attention_op = backends.forward_op("extension", "attention")
+        out_op = attention_op(q, q, q, None, None, True, 0, 0.0, 1 / math.sqrt(8), 0)[0]
         assert torch.equal(y, y_op) and torch.equal(out, out_op)
         assert torch.equal(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(y_op.sum(), x)[0])
         print("ok")
