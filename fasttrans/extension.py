@@ -534,7 +534,7 @@ class _ExtensionImpl:
 
     The ops return absent optional outputs as empty (0,) tensors; these methods turn them
     back into None as the interface says. ``eager`` is the library's Python module, whose
-    entry points run the norm ops and their autograd in C++ (csrc/eager.cpp; used by
+    entry points run the norm and attention ops and their autograd in C++ (csrc/eager.cpp; used by
     fasttrans.backends' eager route).
     """
 

@@ -607,7 +607,8 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
     contiguous tensors of one float dtype and device with x's last dim n, (n,) parameters, a
     float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode.
     Its result is the general route's; it reads each attribute once, in one frame (every
-    eager norm call pays this path's host time)."""
+    eager norm call pays this path's host time). A backend with a native entry for the
+    common case (the extension, csrc/eager.cpp) checks the tensors itself."""
     if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < math.inf or _is_compiling()
             or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
             or _dispatch_stack_len is None or _dispatch_stack_len()):

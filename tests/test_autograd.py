@@ -2,7 +2,8 @@
 
 Eager calls take backends.eager_route: the backend's implementation called directly, and
 with a gradient an autograd.Function holding the formulas that register_autograd gives
-each forward op, instead of calling the op through the dispatcher. torch.compile, torch.func
+each forward op (the extension's norms and attention: C++ autograd nodes applying the same
+backward ops, csrc/eager.cpp), instead of calling the op through the dispatcher. torch.compile, torch.func
 transforms, dispatch modes and tensor subclasses call the registered op. These tests hold
 the two routes to the same outputs and gradients, on every backend, and check which route
 each kind of call takes.
