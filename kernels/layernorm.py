@@ -67,7 +67,7 @@ import triton.language as tl
 from . import cdiv, device_index, multiprocessors, next_power_of_2, on_device
 from ._launch import Launcher, Spec, remember, signature as _sig
 
-__all__ = ["norm_fwd", "norm_infer", "norm_bwd", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
+__all__ = ["norm_fwd", "norm_infer", "norm_bwd", "norm_site", "NormSite", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
 
 # --------------------------------------------------------------------------------------
 # Launch configurations
@@ -86,6 +86,7 @@ REDUCE_MAX_BLOCK_N = 1024
 # same for 1 and 3 stages); launches and compile-check both use 1 so they build one binary.
 NUM_STAGES = 1
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_empty_like = torch.empty_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,17 +624,19 @@ _BWD_SITES: dict = {}
 
 def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     """(dx, dweight or None, dbias or None): see fasttrans.backends for the contract."""
-    with on_device(h):
-        return _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms)
-
-
-def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
     key = (_sig(h), _sig(dy), _sig(dh), _sig(weight), None if rms else _sig(bias),
            None if rms else _sig(mean), _sig(rstd), bool(rms))
-    site = _BWD_SITES.get(key)
+    with on_device(h):
+        return _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, _BWD_SITES)
+
+
+def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
+    """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
+    every argument but the tensors' addresses (see kernels/_launch.py, "Call sites")."""
+    site = sites.get(key)
     M, N = h.shape
     if site is not None:
-        launches, num_partials, rows_per_program = site
+        launches, num_partials, rows_per_program, partial_like, row_like = site
         w, b, mean = weight, None if rms else bias, None if rms else mean
     else:
         _check_rows("h", h, M, N)
@@ -650,24 +653,27 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
         num_partials, rows_per_program = _bwd_partials(h.device, M, N)
     device = h.device
     cfg = bwd_config(N)
-
-    fp32 = dict(dtype=torch.float32, device=device)
-    dx = torch.empty((M, N), dtype=h.dtype, device=device)
     # With one partial row and fp32 parameters the partials are dW and dB themselves: no
     # reduction launch (the decoding and small-batch case)
     direct = num_partials == 1 and (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
-    dw_partial = None if w is None else torch.empty((N,) if direct else (num_partials, N), **fp32)
-    db_partial = None if b is None else torch.empty((N,) if direct else (num_partials, N), **fp32)
+    if site is None:
+        # fp32 workspaces are allocated like these one-element expansions: torch.empty_like
+        # costs the host less than torch.empty(shape, dtype=, device=)
+        one = torch.empty((1,), dtype=torch.float32, device=device)
+        partial_like, row_like = one.expand((N,) if direct else (num_partials, N)), one.expand(M)
+    dx = _empty_like(h)  # contiguous: h's rows have unit stride (checked above)
+    dw_partial = None if w is None else _empty_like(partial_like)
+    db_partial = None if b is None else _empty_like(partial_like)
     sum_dxhat_xhat = sum_dxhat = sum_xhat = None
     if cfg.split:
-        sum_dxhat_xhat = torch.empty((M,), **fp32)
-        sum_dxhat = None if rms else torch.empty((M,), **fp32)
-        sum_xhat = None if rms else torch.empty((M,), **fp32)
+        sum_dxhat_xhat = _empty_like(row_like)
+        sum_dxhat = None if rms else _empty_like(row_like)
+        sum_xhat = None if rms else _empty_like(row_like)
     if direct:
         dw, db = dw_partial, db_partial
     else:
-        dw = torch.empty((N,), dtype=w.dtype, device=device) if w is not None else None
-        db = torch.empty((N,), dtype=b.dtype, device=device) if b is not None else None
+        dw = _empty_like(w) if w is not None else None  # (N,) vectors of unit stride
+        db = _empty_like(b) if b is not None else None
     args = (
         (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
          h.stride(0), dy.stride(0), N) if cfg.split else None,
@@ -686,7 +692,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
         launches = tuple(None if a is None else launcher.bind(grid, a, spec, device.index)
                          for launcher, grid, a, spec in zip((_BWD_ROW_SUMS, _BWD, _BWD_REDUCE), grids, args, specs))
         if cached:
-            remember(_BWD_SITES, key, (launches, num_partials, rows_per_program))
+            remember(sites, key, (launches, num_partials, rows_per_program, partial_like, row_like))
     else:
         for launch, a in zip(launches, args):
             if a is not None:
@@ -727,6 +733,133 @@ def _bwd_specs(N: int, rms: bool, has_weight: bool, has_bias: bool, has_dh: bool
         Spec(dict(BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias),
              num_warps=red.num_warps, num_stages=NUM_STAGES),
     )
+
+
+# --------------------------------------------------------------------------------------
+# Public calls (fasttrans.functional's common case, through fasttrans.backends)
+# --------------------------------------------------------------------------------------
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_data_ptr = torch.Tensor.data_ptr
+
+
+class NormSite:
+    """The launches of one kind of public norm call: contiguous x (any number of dims, the
+    last of N elements) and residual, (N,) contiguous weight and bias, all of x's dtype and
+    device. Every row stride is N, so the tensors pass to the kernels as they are, with no
+    (M, N) view, and the outputs are allocated in x's shape. Made by :func:`norm_site` once
+    per kind of call; ``infer`` (no statistics), ``forward`` and ``backward`` launch."""
+
+    __slots__ = ("M", "N", "rms", "shape", "rows", "ints", "stats_like", "launches", "bwd_sites")
+
+    def __init__(self, x: torch.Tensor, rms: bool, n: int):
+        self.M, self.N, self.rms = x.numel() // n, n, rms
+        self.shape, self.rows = x.shape, x.dim() == 2
+        self.ints = (n, n, n, n, self.M, n)  # row strides of x, residual, y, h; M, N
+        # the (M,) fp32 statistics are allocated like it (see _norm_bwd's workspaces)
+        self.stats_like = torch.empty((1,), dtype=torch.float32, device=x.device).expand(self.M)
+        self.launches = [None, None]  # bound forward launches, without and with statistics
+        self.bwd_sites: dict = {}  # backward launches by the gradients' alignment
+
+    def _forward(self, x, residual, weight, bias, eps, stats: bool):
+        y = _empty_like(x)
+        h = None if residual is None else _empty_like(x)
+        mean = rstd = None
+        if stats:
+            mean = None if self.rms else _empty_like(self.stats_like)
+            rstd = _empty_like(self.stats_like)
+        args = (x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
+                y, y if h is None else h, mean if mean is not None else rstd if rstd is not None else y,
+                y if rstd is None else rstd, *self.ints, eps)
+        launch = self.launches[stats]
+        with on_device(x):
+            if launch is not None:
+                launch(args)
+            else:
+                launcher, spec, rows = _fwd_launch(self.N, self.rms, residual is not None, weight is not None,
+                                                   bias is not None, stats)
+                self.launches[stats] = launcher.bind((cdiv(self.M, rows),), args, spec, x.device.index)
+        return y, h, mean, rstd
+
+    def infer(self, x, residual, weight, bias, eps: float):
+        """(y, h or None) in x's shape, without the statistics a backward reads."""
+        launch = self.launches[0]
+        if launch is None:
+            y, h, _, _ = self._forward(x, residual, weight, bias, eps, False)
+            return y, h
+        # _forward's launch, in one frame: every eager call without a gradient runs it
+        y = _empty_like(x)
+        if residual is None:
+            args = (x, x, x if weight is None else weight, x if bias is None else bias, y, y, y, y, *self.ints, eps)
+            h = None
+        else:
+            h = _empty_like(x)
+            args = (x, residual, x if weight is None else weight, x if bias is None else bias, y, h, y, y, *self.ints,
+                    eps)
+        with on_device(x):
+            launch(args)
+        return y, h
+
+    def forward(self, x, residual, weight, bias, eps: float):
+        """(y, h or None, mean or None, rstd): the statistics for :meth:`backward`."""
+        return self._forward(x, residual, weight, bias, eps, True)
+
+    def backward(self, dy, dh, h, weight, bias, mean, rstd):
+        """(dx in x's shape, dweight or None, dbias or None) of what :meth:`forward` returned
+        (h: the input x without a residual). dy and dh have y's shape, dtype and device, as
+        autograd hands gradients over; only their layout and alignment vary."""
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        if dh is not None and not dh.is_contiguous():
+            dh = dh.contiguous()
+        key = (_data_ptr(dy) & 15, None if dh is None else _data_ptr(dh) & 15)
+        if not self.rows:
+            M, N = self.M, self.N
+            dy, h = dy.view(M, N), h.view(M, N)
+            dh = None if dh is None else dh.view(M, N)
+        with on_device(h):
+            dx, dw, db = _norm_bwd(dy, dh, h, weight, None if self.rms else bias, mean, rstd, self.rms, key,
+                                   self.bwd_sites)
+        return (dx if self.rows else dx.view(self.shape)), dw, db
+
+
+_NORM_SITES: dict = {}
+
+
+def norm_site(x, residual, weight, bias, rms: bool, n: int) -> NormSite | None:
+    """The :class:`NormSite` of a public norm call over x's last dim of ``n`` elements, or
+    None where the call is not of that kind (the general route takes it). x must be a plain
+    tensor of a supported dtype. The site is looked up by everything its launches depend
+    on: the tensors' shapes, strides, dtypes, devices and alignment; the first call of a
+    kind checks the rest."""
+    if (type(residual) not in _PLAIN_TENSORS and residual is not None
+            or type(weight) not in _PLAIN_TENSORS and weight is not None
+            or type(bias) not in _PLAIN_TENSORS and bias is not None):
+        return None
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.get_device(), _data_ptr(x) & 15,
+               _sig(residual), _sig(weight), _sig(bias), rms, n)
+    except RuntimeError:  # a layout without strides or storage
+        return None
+    site = _NORM_SITES.get(key)
+    if site is None:
+        site = NormSite(x, rms, n) if _common_norm(x, residual, weight, bias, rms, n) else False
+        remember(_NORM_SITES, key, site)
+    return site or None
+
+
+def _common_norm(x, residual, weight, bias, rms: bool, n: int) -> bool:
+    dtype, device, shape = x.dtype, x.device, x.shape
+    if (x.layout is not _STRIDED or dtype not in _SUPPORTED_DTYPES or not shape or shape[-1] != n
+            or x.numel() == 0 or not x.is_contiguous() or (rms and bias is not None)):
+        return False
+    for p in (weight, bias):
+        if p is not None and not (p.layout is _STRIDED and p.dtype == dtype and p.shape == (n,)
+                                  and p.stride() == (1,) and p.device == device):
+            return False
+    return residual is None or (residual.layout is _STRIDED and residual.dtype == dtype
+                                and residual.shape == shape and residual.device == device
+                                and residual.is_contiguous())
 
 
 # --------------------------------------------------------------------------------------

@@ -121,18 +121,38 @@ def test_norm_routes_agree(backend, case):
     _assert_same(registered, eager)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64])
-@pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "rms_norm", "weight_only_grad", "no_grad"])
-def test_public_norms_match_the_registered_op(case, dtype):
-    """The public norms in their common case (the extension's native entry on CPU, see
-    csrc/eager.cpp): outputs and gradients the registered op gives, bit for bit, on 3-D
-    inputs that the call views as rows."""
+def _forced(backend: str | None):
+    return contextlib.nullcontext() if backend is None else fasttrans.use_backend(backend)
+
+
+# the backend selected on the CPU (the extension's native entries, csrc/eager.cpp), and the
+# Triton kernels' launch sites (kernels/layernorm.py, norm_site) under the interpreter
+_COMMON_CASE_BACKENDS = [
+    *[pytest.param(dtype, None, id=f"{dtype}-selected") for dtype in (torch.float32, torch.bfloat16, f64)],
+    *[pytest.param(dtype, "triton", id=f"{dtype}-triton", marks=p.marks)
+      for p in backend_params("norm") if p.values[0] == "triton" for dtype in (torch.float32, torch.bfloat16)],
+]
+
+
+@pytest.mark.parametrize("dtype, backend", _COMMON_CASE_BACKENDS)
+@pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "rms_norm", "weight_only_grad", "no_grad",
+                                  "rows"])
+def test_public_norms_match_the_registered_op(case, dtype, backend):
+    """The public norms in their common case (the selected backend's native entry on CPU;
+    the Triton kernels' launch sites): outputs and gradients the registered op gives, bit
+    for bit, on 3-D inputs that the call views as rows (2-D ones for "rows")."""
+    with _forced(backend):
+        _public_norms_match_the_registered_op(case, dtype)
+
+
+def _public_norms_match_the_registered_op(case, dtype):
     backend = backends.select_backend("norm", "cpu", dtype).name
     op = backends.forward_op(backend, "norm")
-    B, L, N = 2, 3, 40
-    x, r = torch.randn(B, L, N, dtype=dtype), torch.randn(B, L, N, dtype=dtype)
+    shape = (6, 40) if case == "rows" else (2, 3, 40)
+    N = shape[-1]
+    x, r = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     w, b = torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype)
-    dy, dh = torch.randn(B, L, N, dtype=dtype), torch.randn(B, L, N, dtype=dtype)
+    dy, dh = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     residual = case == "add_layer_norm"
     rms = case == "rms_norm"
 
@@ -160,9 +180,15 @@ def test_public_norms_match_the_registered_op(case, dtype):
         loss = (outputs[0] * dy).sum() + ((outputs[1] * dh).sum() if residual else 0)
         results.append(([o.detach() for o in outputs], torch.autograd.grad(loss, wrt, allow_unused=True)))
     _assert_same(*results)
-    if backend == "extension" and case != "no_grad":
-        view = public(*[t.requires_grad_() for t in (x, r, w, b)])[0].grad_fn  # the rows viewed as x
-        assert view.next_functions[0][0].name().endswith("NormFunction>")
+    # the call was the backend's common case, not sent back to the general route
+    common = backends.selected_route("norm", x.device, dtype)[4]
+    assert common(x, r if residual else None, w, None if rms else b, 1e-5, rms, N) is not None
+    if case != "no_grad":
+        node = public(*[t.requires_grad_() for t in (x, r, w, b)])[0].grad_fn
+        if backend == "extension":  # 3-D: the rows viewed as x
+            assert (node if case == "rows" else node.next_functions[0][0]).name().endswith("NormFunction>")
+        else:  # the kernels write x's shape: no view
+            assert node.name() == f"norm_fwd_{backend}_eagerBackward"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64])

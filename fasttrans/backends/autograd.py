@@ -272,6 +272,53 @@ def eager_route(name: str, kind: str) -> tuple[Callable, Callable]:
     return route
 
 
+def _site_norm_common(name: str, forced: str | None, norm_site: Callable) -> Callable:
+    """The common-case entry of a backend whose kernels keep a launch site per kind of
+    public norm call (``norm_site``, the Triton kernels'): with a gradient through an
+    autograd.Function that holds the site, so its backward reuses the forward's checks and
+    keys only the gradients. Takes and returns what the extension's native entry does
+    (fasttrans.functional calls either). ``forced``: the backend use_backend forced, if any,
+    under which the route was selected (second-order gradients raise under it)."""
+
+    def forward(ctx, site, x, residual, weight, bias, eps):
+        y, h, mean, rstd = site.forward(x, residual, weight, bias, eps)
+        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd)
+        ctx.site, ctx.eps = site, eps
+        ctx.set_materialize_grads(False)  # an unused h gets no all-zero gradient
+        return y if h is None else (y, h)
+
+    def backward(ctx, dy, dh=None):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        site, needs = ctx.site, ctx.needs_input_grad
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            dx, dw, db = norm_grad_with_graph(name, forced, site.rms, ctx.eps, (needs[1] or needs[2], needs[3],
+                                              needs[4]), h, weight, bias, dy, dh)
+        else:
+            dx, dw, db = site.backward(torch.zeros_like(h) if dy is None else dy, dh, h, weight, bias, mean, rstd)
+        # the residual's gradient is dx (h = x + residual); None where there is no residual
+        return None, dx, dx if needs[2] else None, dw if weight is not None else None, \
+            db if bias is not None else None, None
+
+    function = type(f"norm_fwd_{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
+    grad_enabled = torch.is_grad_enabled
+
+    def common(x, residual, weight, bias, eps, rms, n):
+        site = norm_site(x, residual, weight, bias, rms, n)
+        if site is None:
+            return None
+        if grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
+                               or (weight is not None and weight.requires_grad)
+                               or (bias is not None and bias.requires_grad)):
+            out = apply(site, x, residual, weight, bias, eps)
+            return out if residual is not None else (out, None)
+        return site.infer(x, residual, weight, bias, eps)
+
+    common.function = function
+    return common
+
+
 def _native_eager(impl, kind: str):
     """The implementation's native eager module for ``kind`` (the extension's norms and
     attention, see csrc/eager.cpp), ready to call; None where there is none."""
@@ -303,6 +350,8 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
         if eager is not None:
             native = functools.partial(getattr(eager, kind), forced == name)
             common = functools.partial(getattr(eager, f"{kind}_common"), forced == name)
+        elif kind == "norm" and getattr(BACKENDS[name].impl(), "norm_site", None) is not None:
+            common = _site_norm_common(name, name if forced == name else None, BACKENDS[name].impl().norm_site)
         route = _selected_routes[key] = (name, *eager_route(name, kind), native, common)
     return route
 

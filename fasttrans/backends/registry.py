@@ -194,7 +194,7 @@ class _TritonImpl:
         self.errors: dict[str, str] = {}
         for module, names in (
             ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask")),
-            ("layernorm", ("norm_fwd", "norm_infer", "norm_bwd")),
+            ("layernorm", ("norm_fwd", "norm_infer", "norm_bwd", "norm_site")),
             ("dropout", ("dropout_fwd", "dropout_bwd")),
         ):
             try:
