@@ -83,6 +83,7 @@ kilobytes of spill stores and loads per thread for them).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -100,7 +101,8 @@ from ._attention_configs import (
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "compile_targets"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_site", "AttentionSite",
+           "compile_targets"]
 
 # --------------------------------------------------------------------------------------
 # Constants and launch keys (the configuration tables and mask kinds: kernels/_attention_configs.py)
@@ -1066,6 +1068,7 @@ _FWD_SITES: dict = {}
 _BWD_SITES: dict = {}
 _INF = float("inf")
 _data_ptr = torch.Tensor.data_ptr
+_empty_like = torch.empty_like
 
 
 def _kv_signature(t: torch.Tensor) -> tuple:
@@ -1075,15 +1078,20 @@ def _kv_signature(t: torch.Tensor) -> tuple:
     return B, H, D, t.stride(), t.dtype, t.get_device(), _data_ptr(t) & 15
 
 
+def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dropout_p, seed) -> tuple:
+    """The forward site's key: Lk and the causal offset by their integer classes and Lk's
+    tuning bucket (see _kv_signature)."""
+    Lk = k.shape[2]
+    return (sig(q), _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
+            int_class(Lk), _bucket(Lk), int_class(causal_offset), _call_flags(q, dropout_p, seed))
+
+
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
-    # the site's key: Lk and the causal offset by their integer classes and Lk's tuning bucket
-    qsig = sig(q)
-    key = (qsig, _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
-           int_class(Lk), _bucket(Lk), int_class(causal_offset), _call_flags(q, dropout_p, seed))
+    key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
     site = _FWD_SITES.get(key)
-    (B, H, Lq, D), q_strides = qsig[0], qsig[1]
+    (B, H, Lq, D), q_strides = key[0][0], key[0][1]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -1117,41 +1125,53 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
                   dropout_p, scale, seed, mask_grad):
     """Backend interface: (dq, dk, dv, dmask fp32 (B, H, Lq, Lk) or None), deterministic."""
     lse = lse.contiguous()
-    head = _site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
-    key = (head, sig(dout), sig(out), sig(lse), bool(mask_grad))
-    site = _BWD_SITES.get(key)
+    key = (_site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed), sig(dout), sig(out),
+           sig(lse), bool(mask_grad))
+    return _attention_bwd(key, _BWD_SITES, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal,
+                          causal_offset, dropout_p, scale, seed, mask_grad)
+
+
+def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
+                   dropout_p, scale, seed, mask_grad):
+    """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
+    every argument but the tensors' addresses, the seed and (on a site's first call, which
+    reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites")."""
+    site = sites.get(key)
     if site is None:
         _check_dtype(q)
-    B, H, Lq, D = head[0][0]
-    Hkv, Lk = head[1][0][1], head[1][0][2]
-    dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, Hkv, Lk, D), dtype=v.dtype, device=v.device)
-    # tiles a program skips (above the diagonal, past a key length) are never written: zeros
-    dmask = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if mask_grad else None
-    if Lk == 0:
-        return dq.zero_(), dk, dv, dmask
-    mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
-    # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
-    hi, delta = torch.empty((2, B, H, Lq), dtype=torch.float32, device=q.device).unbind(0)
-    dout_r = torch.empty((B, H, Lq, D), dtype=dout.dtype, device=q.device)
-    if site is None:
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        if Lk == 0:
+            return (q.new_zeros((B, H, Lq, D)), k.new_empty((B, Hkv, 0, D)), v.new_empty((B, Hkv, 0, D)),
+                    q.new_zeros((B, H, Lq, 0), dtype=torch.float32) if mask_grad else None)
+        # outputs and workspaces are allocated like one-element expansions: torch.empty_like
+        # costs the host less than torch.empty(shape, dtype=, device=)
+        like = (_expansion(q.dtype, q.device, (B, H, Lq, D)), _expansion(k.dtype, k.device, (B, Hkv, Lk, D)),
+                _expansion(v.dtype, v.device, (B, Hkv, Lk, D)), _expansion(torch.float32, q.device, (B, H, Lq)),
+                _expansion(dout.dtype, q.device, (B, H, Lq, D)), _expansion(torch.float32, q.device, (B, H, Lq, Lk)))
         # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
         contiguous = (H * Lq * D, Lq * D, D)
-        qs, ks, vs = head[0][1][:3], head[1][1][:3], head[2][1][:3]
+        qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
         mstride = _mask_operand(attn_mask, q)[2]
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
-        ints = ((*key[2][1][:3], *key[1][1][:3], H, Lq),
+        ints = ((*out.stride()[:3], *dout.stride()[:3], H, Lq),
                 (*qs, *ks, *mstride, *sizes),
                 (*qs, *ks, *vs, *contiguous, *kv_contiguous, *kv_contiguous, *mstride, *sizes),
                 (*qs, *ks, *vs, *contiguous, *contiguous, *mstride, *sizes))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
-        launches, ints, tail = site
+        launches, ints, tail, like = site
         if dropout_p > 0.0:
             tail = (*tail[:2], int(seed), *tail[3:])
+    q_like, k_like, v_like, row_like, dout_like, mask_like = like
+    dq, dk, dv = _empty_like(q_like), _empty_like(k_like), _empty_like(v_like)
+    # tiles a program skips (above the diagonal, past a key length) are never written: zeros
+    dmask = torch.zeros_like(mask_like) if mask_grad else None
+    mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
+    # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
+    hi, delta, dout_r = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like)
     scale = float(scale)
     args = (
         (out, dout, lse, dout_r, hi, delta, *ints[0]),
@@ -1170,8 +1190,14 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
             dq_launch(args[3])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
-            remember(_BWD_SITES, key, (launches, ints, tail))
+            remember(sites, key, (launches, ints, tail, like))
     return dq, dk, dv, dmask
+
+
+def _expansion(dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
+    """A one-element tensor expanded to ``shape``: torch.empty_like of it allocates a
+    contiguous tensor of that shape."""
+    return torch.empty((1,), dtype=dtype, device=device).expand(shape)
 
 
 def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
@@ -1215,6 +1241,152 @@ def attention_dropout_mask(q, k, dropout_p, seed):
         _run(_attention_dropout_mask_kernel, cfg, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
              (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), _NO_CONSTEXPRS)
     return keep.view(torch.bool)
+
+
+# --------------------------------------------------------------------------------------
+# Public calls (fasttrans.functional's common case, through fasttrans.backends)
+# --------------------------------------------------------------------------------------
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_CONTIGUOUS = torch.contiguous_format
+_INTEGER_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+class AttentionSite:
+    """The launches of one kind of public attention call without dropout: q (B, H, Lq, D)
+    and k, v (B, Hkv, Lk, D) strided with unit inner stride; the mask None, bool, or float in
+    q's dtype or fp32, broadcastable to (B, H, Lq, Lk) and read through the strides of that
+    broadcast (never expanded per call); key lengths None or (B,) integers. Made by
+    :func:`attention_site` once per kind of call; ``forward`` and ``backward`` launch."""
+
+    __slots__ = ("shape", "Lk", "is_causal", "offset", "scale", "full", "bool_mask", "q_contiguous",
+                 "lse_like", "kernel", "ints", "bwd_sites")
+
+    def __init__(self, q, k, attn_mask, is_causal: bool, causal_offset: int):
+        B, H, Lq, D = self.shape = q.shape
+        self.Lk = Lk = k.shape[2]
+        self.is_causal = is_causal
+        # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
+        # or below none sees any), in the int64 range the kernels take
+        self.offset = max(-Lq, min(causal_offset, Lk))
+        self.scale = 1.0 / math.sqrt(D)  # the default
+        self.full = (B, H, Lq, Lk)
+        self.bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
+        self.q_contiguous = q.is_contiguous()
+        self.lse_like = _expansion(torch.float32, q.device, (B, H, Lq))
+        self.kernel = None  # the forward's (launch, ints, tail), from its first call
+        self.ints = (*q.stride()[:3],)
+        self.bwd_sites: dict = {}  # backward launches by the output gradient's layout
+
+    def mask(self, attn_mask):
+        """attn_mask at (B, H, Lq, Lk), as the backend interface takes it (a view)."""
+        return None if attn_mask is None else attn_mask.expand(self.full)
+
+    def lengths(self, key_lengths):
+        return None if key_lengths is None else _lengths_operand(key_lengths, self.lse_like)
+
+    def forward(self, q, k, v, attn_mask, key_lengths, scale):
+        """(out (B, H, Lq, D), lse (B, H, Lq) fp32), as attention_fwd returns them."""
+        kernel = self.kernel
+        if kernel is None:
+            return self._first(q, k, v, attn_mask, key_lengths, scale)
+        launch, ints, tail = kernel
+        out = _empty_like(q) if self.q_contiguous else _empty_like(q, memory_format=_CONTIGUOUS)
+        lse = _empty_like(self.lse_like)
+        # the mask as it is: the strides of its broadcast are among ints
+        mask = q if attn_mask is None else attn_mask.view(torch.uint8) if self.bool_mask else attn_mask
+        kl = q if key_lengths is None else (key_lengths if key_lengths.dtype == torch.int32
+                                             and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
+        args = (q, k, v, out, lse, mask, kl, *self.ints, *ints, self.Lk, self.offset,
+                self.scale if scale is None else scale, 0.0, *tail)
+        with on_device(q):
+            launch(args)
+        return out, lse
+
+    def _first(self, q, k, v, attn_mask, key_lengths, scale):
+        scale = self.scale if scale is None else scale
+        mask, kl = self.mask(attn_mask), self.lengths(key_lengths)
+        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, self.offset, 0.0, scale, 0)
+        # the kernel site just made (absent where attention_fwd keeps none): later calls launch it
+        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, self.offset, 0.0, 0))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, scale):
+        """(dq, dk, dv) of what :meth:`forward` returned. dout has out's shape, dtype and
+        device, as autograd hands gradients over; only its layout and alignment vary."""
+        if dout.stride(3) != 1:
+            dout = dout.contiguous()
+        key = (dout.stride(), _data_ptr(dout) & 15)
+        # the full-shape mask only for a first call, which reads its strides
+        mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask)
+        dq, dk, dv, _ = _attention_bwd(key, self.bwd_sites, dout, q, k, v, out, lse, mask, self.lengths(key_lengths),
+                                       self.is_causal, self.offset, 0.0, self.scale if scale is None else scale, 0,
+                                       False)
+        return dq, dk, dv
+
+
+_ATTENTION_SITES: dict = {}
+
+
+def attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale,
+                   max_head_dim: int) -> AttentionSite | None:
+    """The :class:`AttentionSite` of a public attention call without dropout, or None where
+    the call is not of that kind (the general route takes it, and reports what is invalid).
+    q must be a plain tensor of a float dtype. Looked up by the tensors' shapes, strides,
+    dtypes, devices and alignment, is_causal, the causal offset and whether scale is given
+    (and, for fp32, the TF32 setting the kernels follow); the first call of a kind checks
+    the rest. Key lengths on the CPU are range-checked per call; on a GPU they are not read
+    (that would synchronise) and the kernels clamp them to [0, Lk]."""
+    if (type(k) not in _PLAIN_TENSORS or type(v) not in _PLAIN_TENSORS
+            or (attn_mask is not None and type(attn_mask) not in _PLAIN_TENSORS)
+            or (key_lengths is not None and type(key_lengths) not in _PLAIN_TENSORS)
+            or type(is_causal) is not bool or type(causal_offset) is not int
+            or (scale is not None and (type(scale) is not float or not -_INF < scale < _INF))):
+        return None
+    dtype = q.dtype
+    try:
+        key = (sig(q), sig(k), sig(v), sig(attn_mask), sig(key_lengths), is_causal, causal_offset, scale is None,
+               input_precision(dtype) if dtype == torch.float32 else None)
+    except RuntimeError:  # a layout without strides or storage
+        return None
+    site = _ATTENTION_SITES.get(key)
+    if site is None:
+        site = (AttentionSite(q, k, attn_mask, is_causal, causal_offset)
+                if _common_attention(q, k, v, attn_mask, key_lengths, max_head_dim) else False)
+        remember(_ATTENTION_SITES, key, site)
+    if not site:
+        return None
+    if key_lengths is not None and key_lengths.device.type == "cpu":
+        lengths = key_lengths.tolist()
+        if min(lengths) < 0 or max(lengths) > site.Lk:
+            return None
+    return site
+
+
+def _common_attention(q, k, v, attn_mask, key_lengths, max_head_dim: int) -> bool:
+    dtype, device = q.dtype, q.device
+    if dtype not in _SUPPORTED_DTYPES:
+        return False
+    for t in (q, k, v):
+        if t.layout is not _STRIDED or t.dim() != 4 or t.stride(3) != 1 or t.dtype != dtype or t.device != device:
+            return False
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if (0 in (B, H, Lq, D, Hkv, Lk) or D > max_head_dim or H % Hkv or k.shape[0] != B or k.shape[3] != D
+            or v.shape != k.shape):
+        return False
+    if attn_mask is not None:
+        m = attn_mask
+        if (m.layout is not _STRIDED or m.dim() > 4 or m.device != device
+                or m.dtype not in (torch.bool, dtype, torch.float32)
+                or any(size not in (1, full) for size, full in zip(reversed(m.shape), (Lk, Lq, H, B)))):
+            return False
+    if key_lengths is not None:
+        t = key_lengths
+        if (t.layout is not _STRIDED or t.dim() != 1 or t.shape[0] != B or t.device != device
+                or t.dtype not in _INTEGER_DTYPES):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------

@@ -319,6 +319,51 @@ def _site_norm_common(name: str, forced: str | None, norm_site: Callable) -> Cal
     return common
 
 
+def _site_attention_common(name: str, forced: str | None, attention_site: Callable) -> Callable:
+    """:func:`_site_norm_common` for attention without dropout (``attention_site``, the
+    Triton kernels'). A float mask that needs a gradient takes the general route."""
+
+    def forward(ctx, site, q, k, v, attn_mask, key_lengths, scale):
+        out, lse = site.forward(q, k, v, attn_mask, key_lengths, scale)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
+        ctx.site, ctx.scale = site, scale
+        return out
+
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
+        site, scale = ctx.site, ctx.scale
+        if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
+            _check_second_order("attention", name, forced)
+            mask, lengths = site.mask(attn_mask), site.lengths(key_lengths)
+            dq, dk, dv = _grad_with_graph(
+                lambda q, k, v: reference.ReferenceImpl.attention_fwd(
+                    q, k, v, mask, lengths, site.is_causal, site.offset, 0.0,
+                    site.scale if scale is None else scale, 0)[0],
+                (q, k, v), ctx.needs_input_grad[1:4], (dout,))
+        else:
+            dq, dk, dv = site.backward(dout, q, k, v, out, lse, attn_mask, key_lengths, scale)
+        return None, dq, dk, dv, None, None, None
+
+    function = type(f"attention_fwd_{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
+    grad_enabled = torch.is_grad_enabled
+
+    def common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim):
+        site = attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim)
+        if site is None:
+            return None
+        if grad_enabled():
+            if attn_mask is not None and attn_mask.requires_grad:
+                return None
+            if q.requires_grad or k.requires_grad or v.requires_grad:
+                return apply(site, q, k, v, attn_mask, key_lengths, scale), None
+        return site.forward(q, k, v, attn_mask, key_lengths, scale)
+
+    common.function = function
+    return common
+
+
 def _native_eager(impl, kind: str):
     """The implementation's native eager module for ``kind`` (the extension's norms and
     attention, see csrc/eager.cpp), ready to call; None where there is none."""
@@ -350,8 +395,9 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
         if eager is not None:
             native = functools.partial(getattr(eager, kind), forced == name)
             common = functools.partial(getattr(eager, f"{kind}_common"), forced == name)
-        elif kind == "norm" and getattr(BACKENDS[name].impl(), "norm_site", None) is not None:
-            common = _site_norm_common(name, name if forced == name else None, BACKENDS[name].impl().norm_site)
+        elif getattr(BACKENDS[name].impl(), f"{kind}_site", None) is not None:  # launch sites (the Triton kernels')
+            make = {"norm": _site_norm_common, "attention": _site_attention_common}[kind]
+            common = make(name, name if forced == name else None, getattr(BACKENDS[name].impl(), f"{kind}_site"))
         route = _selected_routes[key] = (name, *eager_route(name, kind), native, common)
     return route
 

@@ -193,7 +193,7 @@ class _TritonImpl:
     def __init__(self):
         self.errors: dict[str, str] = {}
         for module, names in (
-            ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask")),
+            ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_site")),
             ("layernorm", ("norm_fwd", "norm_infer", "norm_bwd", "norm_site")),
             ("dropout", ("dropout_fwd", "dropout_bwd")),
         ):
