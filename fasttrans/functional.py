@@ -374,10 +374,14 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
                                    and key_lengths.is_contiguous() and type(key_lengths) in _PLAIN_TENSORS):
             scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
             seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
-            _, forward, function, native, _ = backends.selected_route("attention", device, q.dtype)
+            _, forward, function, native, common = backends.selected_route("attention", device, q.dtype)
             args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
             if native is not None:  # the backend's native entry records the gradient when one is needed
                 return native(*args)[0]
+            if common is not None and dropout_p == 0.0:  # launch sites (the Triton kernels')
+                out = common(q, k, v, None, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+                if out is not None:
+                    return out[0]
             if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 return function(*args)[0]
             return forward(*args)[0]
@@ -607,8 +611,9 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
     contiguous tensors of one float dtype and device with x's last dim n, (n,) parameters, a
     float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode.
     Its result is the general route's; it reads each attribute once, in one frame (every
-    eager norm call pays this path's host time). A backend with a native entry for the
-    common case (the extension, csrc/eager.cpp) checks the tensors itself."""
+    eager norm call pays this path's host time). A backend with an entry for the common
+    case (the extension's in csrc/eager.cpp, the Triton kernels' launch sites) checks the
+    tensors itself."""
     if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < math.inf or _is_compiling()
             or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
             or _dispatch_stack_len is None or _dispatch_stack_len()):

@@ -627,3 +627,27 @@ def test_calls_with_a_tensor_subclass_keep_the_registered_op():
     assert f"fasttrans::norm_fwd_{name}" in ops
     assert isinstance(got, TwoTensor)
     torch.testing.assert_close(got.a, F.layer_norm(x, (16,)))
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params("attention") if p.values[0] == "triton"])
+def test_layers_launch_attention_from_the_triton_sites(backend, monkeypatch):
+    """fasttrans.nn's attention (attention_prevalidated) takes the Triton kernels' launch
+    sites too, with the reference's outputs and gradients, on a first and a later call."""
+    from fasttrans.kernels.attention import AttentionSite
+
+    launched = []
+    forward = AttentionSite.forward
+    monkeypatch.setattr(AttentionSite, "forward", lambda site, *args: launched.append(site) or forward(site, *args))
+    layer = fasttrans.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    results = []
+    for name in ("reference", backend, backend):
+        with fasttrans.use_backend(name):
+            out = layer(x, x, x, need_weights=False)[0]
+            grads = torch.autograd.grad(out.square().sum(), list(layer.parameters()))
+        results.append((out.detach(), grads))
+    for got in results[1:]:
+        torch.testing.assert_close(got[0], results[0][0])
+        for a, b in zip(got[1], results[0][1]):
+            torch.testing.assert_close(a, b)
+    assert len(launched) == 2 and launched[0] is launched[1]

@@ -377,12 +377,13 @@ def _native_eager(impl, kind: str):
 def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple:
     """(name, forward, function, native, common): the backend :func:`select_backend` selects
     for ``kind`` on (device, dtype), its :func:`eager_route`, and, where the backend has
-    them (the extension's norms and attention, csrc/eager.cpp; else None), its native entry
-    taking the registered forward op's arguments and recording the gradient when one is
-    needed, and its native entry for the common case of a public call, which checks the
-    rest of the call itself and returns None for any other (see fasttrans.functional). One
-    lookup per call: all are asked on every eager call. Memoised under the same key as the
-    selection, with the environment variables that selection reads."""
+    them (else None): its native entry taking the registered forward op's arguments and
+    recording the gradient when one is needed (the extension's norms and attention,
+    csrc/eager.cpp), and its entry for the common case of a public call, which checks the
+    rest of the call itself and returns None for any other (see fasttrans.functional): the
+    extension's native ones, or the Triton kernels' launch sites (:func:`_site_norm_common`).
+    One lookup per call: all are asked on every eager call. Memoised under the same key as
+    the selection, with the environment variables that selection reads."""
     forced = _forced.get()
     if forced is _FROM_ENV:
         forced = environ.getenv("FASTTRANS_BACKEND") or None
