@@ -832,13 +832,18 @@ def norm_site(x, residual, weight, bias, rms: bool, n: int) -> NormSite | None:
     tensor of a supported dtype. The site is looked up by everything its launches depend
     on: the tensors' shapes, strides, dtypes, devices and alignment; the first call of a
     kind checks the rest."""
-    if (type(residual) not in _PLAIN_TENSORS and residual is not None
-            or type(weight) not in _PLAIN_TENSORS and weight is not None
-            or type(bias) not in _PLAIN_TENSORS and bias is not None):
+    if (residual is not None and type(residual) not in _PLAIN_TENSORS
+            or weight is not None and type(weight) not in _PLAIN_TENSORS
+            or bias is not None and type(bias) not in _PLAIN_TENSORS):
         return None
-    try:
-        key = (x.shape, x.stride(), x.dtype, x.get_device(), _data_ptr(x) & 15,
-               _sig(residual), _sig(weight), _sig(bias), rms, n)
+    try:  # signature() of each tensor, inlined: this runs on every call
+        key = (x.shape, x.stride(), x.dtype, x.get_device(), _data_ptr(x) & 15, rms, n,
+               None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                              residual.get_device(), _data_ptr(residual) & 15),
+               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.get_device(),
+                                            _data_ptr(weight) & 15),
+               None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(),
+                                          _data_ptr(bias) & 15))
     except RuntimeError:  # a layout without strides or storage
         return None
     site = _NORM_SITES.get(key)
