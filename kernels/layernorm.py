@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, device_index, multiprocessors, next_power_of_2, on_device
+from . import _current_cuda_device, cdiv, device_index, multiprocessors, next_power_of_2, on_device
 from ._launch import Launcher, Spec, remember, signature as _sig
 
 __all__ = ["norm_fwd", "norm_infer", "norm_bwd", "norm_site", "NormSite", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
@@ -796,7 +796,10 @@ class NormSite:
             h = _empty_like(x)
             args = (x, residual, x if weight is None else weight, x if bias is None else bias, y, h, y, y, *self.ints,
                     eps)
-        with on_device(x):
+        if x.is_cuda and x.get_device() != _current_cuda_device():  # on_device's test, without its frame
+            with on_device(x):
+                launch(args)
+        else:
             launch(args)
         return y, h
 
