@@ -120,6 +120,7 @@ EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recom
 # LK_BUCKET), so tuning runs at most once per bucket and feature combination.
 _TUNE_KEY = ["HEAD_DIM", "MASK_KIND", "HAS_KEY_LENGTHS", "IS_CAUSAL", "HAS_DROPOUT", "LQ_BUCKET", "LK_BUCKET"]
 _MAX_BUCKET = 1 << 16
+_MAX_BUCKET_BITS = 16  # _MAX_BUCKET's bit length, minus one
 
 
 def _precision_class(dtype: torch.dtype) -> str:
@@ -1256,87 +1257,98 @@ class AttentionSite:
     """The launches of one kind of public attention call without dropout: q (B, H, Lq, D)
     and k, v (B, Hkv, Lk, D) strided with unit inner stride; the mask None, bool, or float in
     q's dtype or fp32, broadcastable to (B, H, Lq, Lk) and read through the strides of that
-    broadcast (never expanded per call); key lengths None or (B,) integers. Made by
-    :func:`attention_site` once per kind of call; ``forward`` and ``backward`` launch."""
+    broadcast (never expanded per call); key lengths None or (B,) integers. Lk and the
+    causal offset are the call's own, within the classes the site was made for (see
+    :func:`attention_site`): decoding over a growing key/value cache keeps one site. Made by
+    :func:`attention_site`; ``forward`` and ``backward`` launch."""
 
-    __slots__ = ("shape", "Lk", "is_causal", "offset", "scale", "full", "bool_mask", "q_contiguous",
-                 "lse_like", "kernel", "ints", "bwd_sites")
+    __slots__ = ("B", "H", "Lq", "D", "is_causal", "scale", "bool_mask", "q_contiguous", "lse_like", "kernel",
+                 "q_strides", "bwd_sites")
 
-    def __init__(self, q, k, attn_mask, is_causal: bool, causal_offset: int):
-        B, H, Lq, D = self.shape = q.shape
-        self.Lk = Lk = k.shape[2]
+    def __init__(self, q, attn_mask, is_causal: bool):
+        self.B, self.H, self.Lq, self.D = B, H, Lq, D = q.shape
         self.is_causal = is_causal
-        # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
-        # or below none sees any), in the int64 range the kernels take
-        self.offset = max(-Lq, min(causal_offset, Lk))
         self.scale = 1.0 / math.sqrt(D)  # the default
-        self.full = (B, H, Lq, Lk)
         self.bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         self.q_contiguous = q.is_contiguous()
         self.lse_like = _expansion(torch.float32, q.device, (B, H, Lq))
         self.kernel = None  # the forward's (launch, ints, tail), from its first call
-        self.ints = (*q.stride()[:3],)
-        self.bwd_sites: dict = {}  # backward launches by the output gradient's layout
+        self.q_strides = q.stride()[:3]
+        self.bwd_sites: dict = {}  # backward launches by the output gradient's layout, Lk and offset
 
-    def mask(self, attn_mask):
+    def offset(self, causal_offset: int, Lk: int) -> int:
+        """The causal offset clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees
+        every key, at -Lq or below none sees any), in the int64 range the kernels take."""
+        return max(-self.Lq, min(causal_offset, Lk))
+
+    def mask(self, attn_mask, Lk: int):
         """attn_mask at (B, H, Lq, Lk), as the backend interface takes it (a view)."""
-        return None if attn_mask is None else attn_mask.expand(self.full)
+        return None if attn_mask is None else attn_mask.expand(self.B, self.H, self.Lq, Lk)
 
     def lengths(self, key_lengths):
+        """key_lengths as the contiguous int32 (B,) tensor the kernels read."""
         return None if key_lengths is None else _lengths_operand(key_lengths, self.lse_like)
 
-    def forward(self, q, k, v, attn_mask, key_lengths, scale):
+    def forward(self, q, k, v, attn_mask, key_lengths, causal_offset: int, scale):
         """(out (B, H, Lq, D), lse (B, H, Lq) fp32), as attention_fwd returns them."""
         kernel = self.kernel
         if kernel is None:
-            return self._first(q, k, v, attn_mask, key_lengths, scale)
+            return self._first(q, k, v, attn_mask, key_lengths, causal_offset, scale)
         launch, ints, tail = kernel
+        Lk = k.shape[2]
         out = _empty_like(q) if self.q_contiguous else _empty_like(q, memory_format=_CONTIGUOUS)
         lse = _empty_like(self.lse_like)
         # the mask as it is: the strides of its broadcast are among ints
         mask = q if attn_mask is None else attn_mask.view(torch.uint8) if self.bool_mask else attn_mask
         kl = q if key_lengths is None else (key_lengths if key_lengths.dtype == torch.int32
                                              and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
-        args = (q, k, v, out, lse, mask, kl, *self.ints, *ints, self.Lk, self.offset,
+        args = (q, k, v, out, lse, mask, kl, *self.q_strides, *ints, Lk, max(-self.Lq, min(causal_offset, Lk)),
                 self.scale if scale is None else scale, 0.0, *tail)
         with on_device(q):
             launch(args)
         return out, lse
 
-    def _first(self, q, k, v, attn_mask, key_lengths, scale):
-        scale = self.scale if scale is None else scale
-        mask, kl = self.mask(attn_mask), self.lengths(key_lengths)
-        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, self.offset, 0.0, scale, 0)
-        # the kernel site just made (absent where attention_fwd keeps none): later calls launch it
-        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, self.offset, 0.0, 0))
+    def _first(self, q, k, v, attn_mask, key_lengths, causal_offset, scale):
+        Lk = k.shape[2]
+        offset, scale = self.offset(causal_offset, Lk), self.scale if scale is None else scale
+        mask, kl = self.mask(attn_mask, Lk), self.lengths(key_lengths)
+        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0)
+        # the kernel site just made (absent where attention_fwd keeps none): later calls
+        # launch it; its key holds the same classes of Lk and the offset as this site's
+        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, 0))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, scale):
+    def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset: int, scale):
         """(dq, dk, dv) of what :meth:`forward` returned. dout has out's shape, dtype and
         device, as autograd hands gradients over; only its layout and alignment vary."""
         if dout.stride(3) != 1:
             dout = dout.contiguous()
-        key = (dout.stride(), _data_ptr(dout) & 15)
+        Lk = k.shape[2]
+        offset = self.offset(causal_offset, Lk)
+        key = (dout.stride(), _data_ptr(dout) & 15, Lk, offset)
         # the full-shape mask only for a first call, which reads its strides
-        mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask)
+        mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask, Lk)
         dq, dk, dv, _ = _attention_bwd(key, self.bwd_sites, dout, q, k, v, out, lse, mask, self.lengths(key_lengths),
-                                       self.is_causal, self.offset, 0.0, self.scale if scale is None else scale, 0,
+                                       self.is_causal, offset, 0.0, self.scale if scale is None else scale, 0,
                                        False)
         return dq, dk, dv
 
 
 _ATTENTION_SITES: dict = {}
+_INT32_END = 2**31
 
 
 def attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale,
                    max_head_dim: int) -> AttentionSite | None:
     """The :class:`AttentionSite` of a public attention call without dropout, or None where
     the call is not of that kind (the general route takes it, and reports what is invalid).
-    q must be a plain tensor of a float dtype. Looked up by the tensors' shapes, strides,
-    dtypes, devices and alignment, is_causal, the causal offset and whether scale is given
-    (and, for fp32, the TF32 setting the kernels follow); the first call of a kind checks
-    the rest. Key lengths on the CPU are range-checked per call; on a GPU they are not read
-    (that would synchronise) and the kernels clamp them to [0, Lk]."""
+    q must be a plain tensor of a float dtype. Looked up by the tensors' shapes (k's and v's
+    without their length), strides, dtypes, devices and alignment; is_causal; the classes
+    Triton specialises Lk and the clamped causal offset on, and Lk's tuning bucket (Lk
+    itself when there is a mask, whose shape depends on it); whether scale is given; and,
+    for fp32, the TF32 setting the kernels follow. The first call of a kind checks the rest.
+    Key lengths on the CPU are range-checked per call; on a GPU they are not read (that
+    would synchronise) and the kernels clamp them to [0, Lk]."""
     if (type(k) not in _PLAIN_TENSORS or type(v) not in _PLAIN_TENSORS
             or (attn_mask is not None and type(attn_mask) not in _PLAIN_TENSORS)
             or (key_lengths is not None and type(key_lengths) not in _PLAIN_TENSORS)
@@ -1345,20 +1357,29 @@ def attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, sc
         return None
     dtype = q.dtype
     try:
-        key = (sig(q), sig(k), sig(v), sig(attn_mask), sig(key_lengths), is_causal, causal_offset, scale is None,
+        qsig, Lk = sig(q), k.shape[2]
+        if Lk == 0:
+            return None
+        offset = max(-qsig[0][2], min(causal_offset, Lk))
+        # Lk and the offset as Triton specialises integers (kernels/_launch.py, int_class),
+        # and Lk's tuning bucket (_bucket) by its bit length
+        key = (qsig, _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), is_causal,
+               (Lk & 15) == 0, Lk == 1, Lk < _INT32_END, min((Lk - 1).bit_length(), _MAX_BUCKET_BITS),
+               (offset & 15) == 0, offset == 1, -_INT32_END <= offset < _INT32_END,
+               None if attn_mask is None else Lk, scale is None,
                input_precision(dtype) if dtype == torch.float32 else None)
-    except RuntimeError:  # a layout without strides or storage
+    except (RuntimeError, IndexError):  # a layout without strides or storage; fewer than three dims
         return None
     site = _ATTENTION_SITES.get(key)
     if site is None:
-        site = (AttentionSite(q, k, attn_mask, is_causal, causal_offset)
+        site = (AttentionSite(q, attn_mask, is_causal)
                 if _common_attention(q, k, v, attn_mask, key_lengths, max_head_dim) else False)
         remember(_ATTENTION_SITES, key, site)
     if not site:
         return None
     if key_lengths is not None and key_lengths.device.type == "cpu":
         lengths = key_lengths.tolist()
-        if min(lengths) < 0 or max(lengths) > site.Lk:
+        if min(lengths) < 0 or max(lengths) > Lk:
             return None
     return site
 

@@ -651,3 +651,33 @@ def test_layers_launch_attention_from_the_triton_sites(backend, monkeypatch):
         for a, b in zip(got[1], results[0][1]):
             torch.testing.assert_close(a, b)
     assert len(launched) == 2 and launched[0] is launched[1]
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params("attention") if p.values[0] == "triton"])
+def test_triton_attention_site_serves_a_growing_key_cache(backend, monkeypatch):
+    """Decoding over a key/value cache that grows a token per step (causal, bottom-right
+    aligned): the steps of one key-length class keep one launch site, and every step gives
+    the registered op's output and gradients bit for bit."""
+    from fasttrans.kernels.attention import AttentionSite
+
+    sites = []
+    forward = AttentionSite.forward
+    monkeypatch.setattr(AttentionSite, "forward", lambda site, *args: sites.append(site) or forward(site, *args))
+    B, H, D, cache = 2, 2, 16, 8
+    q = torch.randn(B, H, 1, D)
+    keys, values = torch.randn(B, H, cache, D), torch.randn(B, H, cache, D)
+    dout = torch.randn(B, H, 1, D)
+    with fasttrans.use_backend(backend):
+        op = backends.forward_op(backend, "attention")
+        for Lk in (5, 6, 7, 8):  # one tuning bucket, one integer class
+            results = []
+            for call in ("registered", "public"):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, keys, values)]
+                q_, k, v = leaves[0], leaves[1][:, :, :Lk], leaves[2][:, :, :Lk]  # views of the cache
+                if call == "registered":
+                    out = op(q_, k, v, None, None, True, Lk - 1, 0.0, D ** -0.5, 0)[0]
+                else:
+                    out = fasttrans.attention(q_, k, v, is_causal=True, causal_offset=Lk - 1)
+                results.append(([out.detach()], torch.autograd.grad((out * dout).sum(), leaves)))
+            _assert_same(*results)
+    assert len(sites) == 4 and all(site is sites[0] for site in sites)

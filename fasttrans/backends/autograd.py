@@ -323,26 +323,26 @@ def _site_attention_common(name: str, forced: str | None, attention_site: Callab
     """:func:`_site_norm_common` for attention without dropout (``attention_site``, the
     Triton kernels'). A float mask that needs a gradient takes the general route."""
 
-    def forward(ctx, site, q, k, v, attn_mask, key_lengths, scale):
-        out, lse = site.forward(q, k, v, attn_mask, key_lengths, scale)
+    def forward(ctx, site, q, k, v, attn_mask, key_lengths, causal_offset, scale):
+        out, lse = site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
-        ctx.site, ctx.scale = site, scale
+        ctx.site, ctx.args = site, (causal_offset, scale)
         return out
 
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
-        site, scale = ctx.site, ctx.scale
+        site, (causal_offset, scale) = ctx.site, ctx.args
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
             _check_second_order("attention", name, forced)
-            mask, lengths = site.mask(attn_mask), site.lengths(key_lengths)
+            Lk = k.shape[2]
+            mask, lengths, offset = site.mask(attn_mask, Lk), site.lengths(key_lengths), site.offset(causal_offset, Lk)
             dq, dk, dv = _grad_with_graph(
                 lambda q, k, v: reference.ReferenceImpl.attention_fwd(
-                    q, k, v, mask, lengths, site.is_causal, site.offset, 0.0,
-                    site.scale if scale is None else scale, 0)[0],
+                    q, k, v, mask, lengths, site.is_causal, offset, 0.0, site.scale if scale is None else scale, 0)[0],
                 (q, k, v), ctx.needs_input_grad[1:4], (dout,))
         else:
-            dq, dk, dv = site.backward(dout, q, k, v, out, lse, attn_mask, key_lengths, scale)
-        return None, dq, dk, dv, None, None, None
+            dq, dk, dv = site.backward(dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset, scale)
+        return None, dq, dk, dv, None, None, None, None
 
     function = type(f"attention_fwd_{name}_eager", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
@@ -357,8 +357,8 @@ def _site_attention_common(name: str, forced: str | None, attention_site: Callab
             if attn_mask is not None and attn_mask.requires_grad:
                 return None
             if q.requires_grad or k.requires_grad or v.requires_grad:
-                return apply(site, q, k, v, attn_mask, key_lengths, scale), None
-        return site.forward(q, k, v, attn_mask, key_lengths, scale)
+                return apply(site, q, k, v, attn_mask, key_lengths, causal_offset, scale), None
+        return site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale)
 
     common.function = function
     return common
