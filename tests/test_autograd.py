@@ -127,14 +127,15 @@ def _forced(backend: str | None):
 
 # the backend selected on the CPU (the extension's native entries, csrc/eager.cpp), and the
 # Triton kernels' launch sites (kernels/layernorm.py, norm_site) under the interpreter
-_COMMON_CASE_BACKENDS = [
-    *[pytest.param(dtype, None, id=f"{dtype}-selected") for dtype in (torch.float32, torch.bfloat16, f64)],
-    *[pytest.param(dtype, "triton", id=f"{dtype}-triton", marks=p.marks)
-      for p in backend_params("norm") if p.values[0] == "triton" for dtype in (torch.float32, torch.bfloat16)],
-]
+def _common_case_backends(op: str, triton_dtypes: tuple) -> list:
+    return [
+        *[pytest.param(dtype, None, id=f"{dtype}-selected") for dtype in (torch.float32, torch.bfloat16, f64)],
+        *[pytest.param(dtype, "triton", id=f"{dtype}-triton", marks=p.marks)
+          for p in backend_params(op) if p.values[0] == "triton" for dtype in triton_dtypes],
+    ]
 
 
-@pytest.mark.parametrize("dtype, backend", _COMMON_CASE_BACKENDS)
+@pytest.mark.parametrize("dtype, backend", _common_case_backends("norm", (torch.float32, torch.bfloat16)))
 @pytest.mark.parametrize("case", ["layer_norm", "add_layer_norm", "rms_norm", "weight_only_grad", "no_grad",
                                   "rows"])
 def test_public_norms_match_the_registered_op(case, dtype, backend):
@@ -192,7 +193,8 @@ def _public_norms_match_the_registered_op(case, dtype):
             assert node.name() == f"norm_fwd_{backend}_eagerBackward"
 
 
-@pytest.mark.parametrize("dtype, backend", _COMMON_CASE_BACKENDS)
+# the sites' code does not branch on the dtype: Triton in fp32 only (the interpreter is slow)
+@pytest.mark.parametrize("dtype, backend", _common_case_backends("attention", (torch.float32,)))
 @pytest.mark.parametrize("case", ["plain", "gqa_causal", "offset_past_int64", "negative_offset_scale",
                                   "head_major_views", "no_grad", "bool_mask", "float_mask", "float_mask_grad",
                                   "key_lengths_int64"])
