@@ -600,20 +600,14 @@ def _norm_outputs(y, h, residual, rows: bool, x):
     return y, h
 
 
-def _plain_param(p, n: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return (type(p) in _PLAIN_TENSORS and p.layout is _STRIDED and p.dtype == dtype and p.shape == (n,)
-            and p.stride(0) == 1 and p.device == device)
-
-
 def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
     """(y, h or None) of a norm call in the common case, or None for any other call, which
     the general route takes (and reports, when it is invalid). The common case: plain
     contiguous tensors of one float dtype and device with x's last dim n, (n,) parameters, a
-    float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode.
-    Its result is the general route's; it reads each attribute once, in one frame (every
-    eager norm call pays this path's host time). A backend with an entry for the common
-    case (the extension's in csrc/eager.cpp, the Triton kernels' launch sites) checks the
-    tensors itself."""
+    float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode
+    (the tensors as fasttrans.backends.norm_tensors takes them). Its result is the general
+    route's. A backend with an entry for the common case (the extension's in
+    csrc/eager.cpp, the Triton kernels' launch sites) checks the tensors itself."""
     if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < math.inf or _is_compiling()
             or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
             or _dispatch_stack_len is None or _dispatch_stack_len()):
@@ -628,25 +622,13 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
         return None
     if common is not None:  # the backend checks the rest and runs the call natively
         return common(x, residual, weight, bias, eps, rms, n)
-    shape = x.shape
-    if x.layout is not _STRIDED or not shape or shape[-1] != n or n == 0 or not x.is_contiguous():
+    if not backends.norm_tensors(x, residual, weight, bias, n):
         return None
-    if ((weight is not None and not _plain_param(weight, n, dtype, device))
-            or (bias is not None and not _plain_param(bias, n, dtype, device))):
-        return None
-    if residual is not None and not (type(residual) in _PLAIN_TENSORS and residual.layout is _STRIDED
-                                     and residual.dtype == dtype and residual.shape == shape
-                                     and residual.device == device and residual.is_contiguous()):
-        return None
-    rows = len(shape) == 2
+    rows = x.dim() == 2
     x_rows, r_rows = x, residual
     if not rows:
-        if x.numel() == 0:
-            return None
         x_rows = x.view(-1, n)
         r_rows = None if residual is None else residual.view(-1, n)
-    elif shape[0] == 0:
-        return None
     if _grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
                             or (weight is not None and weight.requires_grad)
                             or (bias is not None and bias.requires_grad)):

@@ -44,6 +44,13 @@ def multiprocessors(index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["multiprocessor_count"]
 
 
+def expansion(dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
+    """A one-element tensor expanded to ``shape``: ``torch.empty_like`` of it allocates a
+    contiguous tensor of that shape for less host time than ``torch.empty(shape, dtype=,
+    device=)``, which launchers use for their outputs and workspaces."""
+    return torch.empty((1,), dtype=dtype, device=device).expand(shape)
+
+
 _NO_GUARD = contextlib.nullcontext()
 _current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 

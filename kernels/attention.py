@@ -92,7 +92,7 @@ import triton.language as tl
 from fasttrans.dropout_spec import dropout_threshold
 from fasttrans.environ import getenv
 
-from . import _attention_targets, capability, cdiv, device_index, next_power_of_2, on_device
+from . import _attention_targets, capability, cdiv, device_index, expansion, next_power_of_2, on_device
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
@@ -1145,11 +1145,10 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         if Lk == 0:
             return (q.new_zeros((B, H, Lq, D)), k.new_empty((B, Hkv, 0, D)), v.new_empty((B, Hkv, 0, D)),
                     q.new_zeros((B, H, Lq, 0), dtype=torch.float32) if mask_grad else None)
-        # outputs and workspaces are allocated like one-element expansions: torch.empty_like
-        # costs the host less than torch.empty(shape, dtype=, device=)
-        like = (_expansion(q.dtype, q.device, (B, H, Lq, D)), _expansion(k.dtype, k.device, (B, Hkv, Lk, D)),
-                _expansion(v.dtype, v.device, (B, Hkv, Lk, D)), _expansion(torch.float32, q.device, (B, H, Lq)),
-                _expansion(dout.dtype, q.device, (B, H, Lq, D)), _expansion(torch.float32, q.device, (B, H, Lq, Lk)))
+        # templates of the outputs and workspaces (see expansion)
+        like = (expansion(q.dtype, q.device, (B, H, Lq, D)), expansion(k.dtype, k.device, (B, Hkv, Lk, D)),
+                expansion(v.dtype, v.device, (B, Hkv, Lk, D)), expansion(torch.float32, q.device, (B, H, Lq)),
+                expansion(dout.dtype, q.device, (B, H, Lq, D)), expansion(torch.float32, q.device, (B, H, Lq, Lk)))
         # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
         contiguous = (H * Lq * D, Lq * D, D)
         qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
@@ -1193,12 +1192,6 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
             remember(sites, key, (launches, ints, tail, like))
     return dq, dk, dv, dmask
-
-
-def _expansion(dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
-    """A one-element tensor expanded to ``shape``: torch.empty_like of it allocates a
-    contiguous tensor of that shape."""
-    return torch.empty((1,), dtype=dtype, device=device).expand(shape)
 
 
 def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
@@ -1247,10 +1240,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
 # --------------------------------------------------------------------------------------
 # Public calls (fasttrans.functional's common case, through fasttrans.backends)
 # --------------------------------------------------------------------------------------
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
 _CONTIGUOUS = torch.contiguous_format
-_INTEGER_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 class AttentionSite:
@@ -1271,7 +1261,7 @@ class AttentionSite:
         self.scale = 1.0 / math.sqrt(D)  # the default
         self.bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         self.q_contiguous = q.is_contiguous()
-        self.lse_like = _expansion(torch.float32, q.device, (B, H, Lq))
+        self.lse_like = expansion(torch.float32, q.device, (B, H, Lq))
         self.kernel = None  # the forward's (launch, ints, tail), from its first call
         self.q_strides = q.stride()[:3]
         self.bwd_sites: dict = {}  # backward launches by the output gradient's layout, Lk and offset
@@ -1338,23 +1328,19 @@ _ATTENTION_SITES: dict = {}
 _INT32_END = 2**31
 
 
-def attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale,
-                   max_head_dim: int) -> AttentionSite | None:
+def attention_site(q, k, v, attn_mask, key_lengths, is_causal: bool, causal_offset: int, scale: float | None,
+                   max_head_dim: int, common_case) -> AttentionSite | None:
     """The :class:`AttentionSite` of a public attention call without dropout, or None where
     the call is not of that kind (the general route takes it, and reports what is invalid).
-    q must be a plain tensor of a float dtype. Looked up by the tensors' shapes (k's and v's
-    without their length), strides, dtypes, devices and alignment; is_causal; the classes
-    Triton specialises Lk and the clamped causal offset on, and Lk's tuning bucket (Lk
-    itself when there is a mask, whose shape depends on it); whether scale is given; and,
-    for fp32, the TF32 setting the kernels follow. The first call of a kind checks the rest.
-    Key lengths on the CPU are range-checked per call; on a GPU they are not read (that
-    would synchronise) and the kernels clamp them to [0, Lk]."""
-    if (type(k) not in _PLAIN_TENSORS or type(v) not in _PLAIN_TENSORS
-            or (attn_mask is not None and type(attn_mask) not in _PLAIN_TENSORS)
-            or (key_lengths is not None and type(key_lengths) not in _PLAIN_TENSORS)
-            or type(is_causal) is not bool or type(causal_offset) is not int
-            or (scale is not None and (type(scale) is not float or not -_INF < scale < _INF))):
-        return None
+    The tensors must be plain (no subclass), is_causal a bool, causal_offset an int, scale
+    None or a finite float. Looked up by the tensors' shapes (k's and v's without their
+    length), strides, dtypes, devices and alignment; is_causal; the classes Triton
+    specialises Lk and the clamped causal offset on, and Lk's tuning bucket (Lk itself when
+    there is a mask, whose shape depends on it); whether scale is given; and, for fp32, the
+    TF32 setting the kernels follow, and max_head_dim. The first call of a kind asks
+    ``common_case(q, k, v, attn_mask, key_lengths, max_head_dim)``
+    (fasttrans.backends.common_case) whether the call is of it.
+    The values of key lengths are the caller's to check."""
     dtype = q.dtype
     try:
         qsig, Lk = sig(q), k.shape[2]
@@ -1367,47 +1353,15 @@ def attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, sc
                (Lk & 15) == 0, Lk == 1, Lk < _INT32_END, min((Lk - 1).bit_length(), _MAX_BUCKET_BITS),
                (offset & 15) == 0, offset == 1, -_INT32_END <= offset < _INT32_END,
                None if attn_mask is None else Lk, scale is None,
-               input_precision(dtype) if dtype == torch.float32 else None)
+               input_precision(dtype) if dtype == torch.float32 else None, max_head_dim)
     except (RuntimeError, IndexError):  # a layout without strides or storage; fewer than three dims
         return None
     site = _ATTENTION_SITES.get(key)
     if site is None:
-        site = (AttentionSite(q, attn_mask, is_causal)
-                if _common_attention(q, k, v, attn_mask, key_lengths, max_head_dim) else False)
+        ok = dtype in _SUPPORTED_DTYPES and common_case(q, k, v, attn_mask, key_lengths, max_head_dim)
+        site = AttentionSite(q, attn_mask, is_causal) if ok else False
         remember(_ATTENTION_SITES, key, site)
-    if not site:
-        return None
-    if key_lengths is not None and key_lengths.device.type == "cpu":
-        lengths = key_lengths.tolist()
-        if min(lengths) < 0 or max(lengths) > Lk:
-            return None
-    return site
-
-
-def _common_attention(q, k, v, attn_mask, key_lengths, max_head_dim: int) -> bool:
-    dtype, device = q.dtype, q.device
-    if dtype not in _SUPPORTED_DTYPES:
-        return False
-    for t in (q, k, v):
-        if t.layout is not _STRIDED or t.dim() != 4 or t.stride(3) != 1 or t.dtype != dtype or t.device != device:
-            return False
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    if (0 in (B, H, Lq, D, Hkv, Lk) or D > max_head_dim or H % Hkv or k.shape[0] != B or k.shape[3] != D
-            or v.shape != k.shape):
-        return False
-    if attn_mask is not None:
-        m = attn_mask
-        if (m.layout is not _STRIDED or m.dim() > 4 or m.device != device
-                or m.dtype not in (torch.bool, dtype, torch.float32)
-                or any(size not in (1, full) for size, full in zip(reversed(m.shape), (Lk, Lq, H, B)))):
-            return False
-    if key_lengths is not None:
-        t = key_lengths
-        if (t.layout is not _STRIDED or t.dim() != 1 or t.shape[0] != B or t.device != device
-                or t.dtype not in _INTEGER_DTYPES):
-            return False
-    return True
+    return site or None
 
 
 # --------------------------------------------------------------------------------------

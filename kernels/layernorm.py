@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _current_cuda_device, cdiv, device_index, multiprocessors, next_power_of_2, on_device
+from . import _current_cuda_device, cdiv, device_index, expansion, multiprocessors, next_power_of_2, on_device
 from ._launch import Launcher, Spec, remember, signature as _sig
 
 __all__ = ["norm_fwd", "norm_infer", "norm_bwd", "norm_site", "NormSite", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
@@ -656,11 +656,9 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     # With one partial row and fp32 parameters the partials are dW and dB themselves: no
     # reduction launch (the decoding and small-batch case)
     direct = num_partials == 1 and (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
-    if site is None:
-        # fp32 workspaces are allocated like these one-element expansions: torch.empty_like
-        # costs the host less than torch.empty(shape, dtype=, device=)
-        one = torch.empty((1,), dtype=torch.float32, device=device)
-        partial_like, row_like = one.expand((N,) if direct else (num_partials, N)), one.expand(M)
+    if site is None:  # the fp32 workspaces are allocated like these (see expansion)
+        partial_like = expansion(torch.float32, device, (N,) if direct else (num_partials, N))
+        row_like = expansion(torch.float32, device, (M,))
     dx = _empty_like(h)  # contiguous: h's rows have unit stride (checked above)
     dw_partial = None if w is None else _empty_like(partial_like)
     db_partial = None if b is None else _empty_like(partial_like)
@@ -738,8 +736,6 @@ def _bwd_specs(N: int, rms: bool, has_weight: bool, has_bias: bool, has_dh: bool
 # --------------------------------------------------------------------------------------
 # Public calls (fasttrans.functional's common case, through fasttrans.backends)
 # --------------------------------------------------------------------------------------
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -756,8 +752,7 @@ class NormSite:
         self.M, self.N, self.rms = x.numel() // n, n, rms
         self.shape, self.rows = x.shape, x.dim() == 2
         self.ints = (n, n, n, n, self.M, n)  # row strides of x, residual, y, h; M, N
-        # the (M,) fp32 statistics are allocated like it (see _norm_bwd's workspaces)
-        self.stats_like = torch.empty((1,), dtype=torch.float32, device=x.device).expand(self.M)
+        self.stats_like = expansion(torch.float32, x.device, (self.M,))  # the (M,) fp32 statistics' template
         self.launches = [None, None]  # bound forward launches, without and with statistics
         self.bwd_sites: dict = {}  # backward launches by the gradients' alignment
 
@@ -829,16 +824,13 @@ class NormSite:
 _NORM_SITES: dict = {}
 
 
-def norm_site(x, residual, weight, bias, rms: bool, n: int) -> NormSite | None:
+def norm_site(x, residual, weight, bias, rms: bool, n: int, common_case) -> NormSite | None:
     """The :class:`NormSite` of a public norm call over x's last dim of ``n`` elements, or
-    None where the call is not of that kind (the general route takes it). x must be a plain
-    tensor of a supported dtype. The site is looked up by everything its launches depend
-    on: the tensors' shapes, strides, dtypes, devices and alignment; the first call of a
-    kind checks the rest."""
-    if (residual is not None and type(residual) not in _PLAIN_TENSORS
-            or weight is not None and type(weight) not in _PLAIN_TENSORS
-            or bias is not None and type(bias) not in _PLAIN_TENSORS):
-        return None
+    None where the call is not of that kind (the general route takes it). The tensors must
+    be plain (no subclass). The site is looked up by everything its launches depend on: the
+    tensors' shapes, strides, dtypes, devices and alignment; the first call of a kind asks
+    ``common_case(x, residual, weight, bias, n)`` (fasttrans.backends.common_case) whether
+    the call is of it."""
     try:  # signature() of each tensor, inlined: this runs on every call
         key = (x.shape, x.stride(), x.dtype, x.get_device(), _data_ptr(x) & 15, rms, n,
                None if residual is None else (residual.shape, residual.stride(), residual.dtype,
@@ -851,23 +843,11 @@ def norm_site(x, residual, weight, bias, rms: bool, n: int) -> NormSite | None:
         return None
     site = _NORM_SITES.get(key)
     if site is None:
-        site = NormSite(x, rms, n) if _common_norm(x, residual, weight, bias, rms, n) else False
+        ok = x.dtype in _SUPPORTED_DTYPES and not (rms and bias is not None) and common_case(x, residual, weight,
+                                                                                            bias, n)
+        site = NormSite(x, rms, n) if ok else False
         remember(_NORM_SITES, key, site)
     return site or None
-
-
-def _common_norm(x, residual, weight, bias, rms: bool, n: int) -> bool:
-    dtype, device, shape = x.dtype, x.device, x.shape
-    if (x.layout is not _STRIDED or dtype not in _SUPPORTED_DTYPES or not shape or shape[-1] != n
-            or x.numel() == 0 or not x.is_contiguous() or (rms and bias is not None)):
-        return False
-    for p in (weight, bias):
-        if p is not None and not (p.layout is _STRIDED and p.dtype == dtype and p.shape == (n,)
-                                  and p.stride() == (1,) and p.device == device):
-            return False
-    return residual is None or (residual.layout is _STRIDED and residual.dtype == dtype
-                                and residual.shape == shape and residual.device == device
-                                and residual.is_contiguous())
 
 
 # --------------------------------------------------------------------------------------

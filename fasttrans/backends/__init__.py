@@ -56,11 +56,13 @@ The package's modules, each one concern:
     registry       BACKENDS, selection (select_backend, use_backend, FASTTRANS_BACKEND)
     autograd       the ops' gradient formulas, second-order gradients, the eager route
     registration   the fasttrans:: ops of each backend: torch.library definitions and fakes
+    common_case    the common case of a public norm or attention call, which fast entries take
 """
 
 from __future__ import annotations
 
 from .autograd import BELOW_AUTOGRAD, eager_route, last_dim_unit_stride, selected_route
+from .common_case import attention_tensors, norm_tensors
 from .registration import dropout_ops_for, forward_op, inference_ops, ops_for
 from .registry import (
     BACKEND_NAMES,
@@ -83,5 +85,5 @@ __all__ = [
     "select_backend", "use_backend", "current_forced_backend", "mask_helpers", "reference_impl",
     # the ops and routes fasttrans.functional calls
     "ops_for", "forward_op", "dropout_ops_for", "inference_ops", "eager_route", "selected_route",
-    "last_dim_unit_stride", "BELOW_AUTOGRAD",
+    "last_dim_unit_stride", "BELOW_AUTOGRAD", "norm_tensors", "attention_tensors",
 ]

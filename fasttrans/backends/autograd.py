@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from .. import environ, reference
+from .common_case import PLAIN_TENSORS, attention_tensors, norm_tensors
 from .registry import (
     _FROM_ENV,
     BACKENDS,
@@ -305,7 +306,11 @@ def _site_norm_common(name: str, forced: str | None, norm_site: Callable) -> Cal
     grad_enabled = torch.is_grad_enabled
 
     def common(x, residual, weight, bias, eps, rms, n):
-        site = norm_site(x, residual, weight, bias, rms, n)
+        if (residual is not None and type(residual) not in PLAIN_TENSORS
+                or weight is not None and type(weight) not in PLAIN_TENSORS
+                or bias is not None and type(bias) not in PLAIN_TENSORS):
+            return None
+        site = norm_site(x, residual, weight, bias, rms, n, norm_tensors)
         if site is None:
             return None
         if grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
@@ -317,6 +322,9 @@ def _site_norm_common(name: str, forced: str | None, norm_site: Callable) -> Cal
 
     common.function = function
     return common
+
+
+_INF = float("inf")
 
 
 def _site_attention_common(name: str, forced: str | None, attention_site: Callable) -> Callable:
@@ -350,9 +358,20 @@ def _site_attention_common(name: str, forced: str | None, attention_site: Callab
     grad_enabled = torch.is_grad_enabled
 
     def common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim):
-        site = attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim)
+        if (type(k) not in PLAIN_TENSORS or type(v) not in PLAIN_TENSORS
+                or (attn_mask is not None and type(attn_mask) not in PLAIN_TENSORS)
+                or (key_lengths is not None and type(key_lengths) not in PLAIN_TENSORS)
+                or type(is_causal) is not bool or type(causal_offset) is not int
+                or (scale is not None and (type(scale) is not float or not -_INF < scale < _INF))):
+            return None
+        site = attention_site(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim,
+                              attention_tensors)
         if site is None:
             return None
+        if key_lengths is not None and key_lengths.device.type == "cpu":  # on a GPU: not read, clamped
+            lengths = key_lengths.tolist()
+            if min(lengths) < 0 or max(lengths) > k.shape[2]:
+                return None
         if grad_enabled():
             if attn_mask is not None and attn_mask.requires_grad:
                 return None
