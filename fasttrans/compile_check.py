@@ -18,6 +18,10 @@ one dict per (kernel, shipped launch configuration, specialisation):
                 (default: all); it is built only for those among the requested ones
     wgmma       (optional, default True) whether a matmul target must use wgmma on sm_90;
                 False accepts mma.sync there too (tiles below wgmma's 64 rows)
+    loop_scores (optional) score elements one iteration of the kernel's main loop computes
+                (BLOCK_M * BLOCK_N for attention): its SASS is then counted per element
+    loop_goal   (optional) the most SASS instructions per score element the main loop may take
+                on sm_90 (a static goal the target must meet)
 
 Every target is compiled with ``triton.compile`` for each requested architecture and checked:
 
@@ -25,9 +29,15 @@ Every target is compiled with ``triton.compile`` for each requested architecture
     shared_bytes        ``metadata.shared``; must fit the architecture's per-block limit
     tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90; mma.sync too
                         for targets with wgmma=False)
+    tma                 whether the kernel loads through the Tensor Memory Accelerator (sm_90)
+    wgmma_shapes        the wgmma instruction shapes used, e.g. "m64n64k16"
+    loop_per_element    for targets with loop_scores: SASS instructions per score element in
+                        the main loop, the first innermost loop that issues tensor-core
+                        instructions (instructions x 32 x num_warps / loop_scores: what one
+                        thread executes per score it owns)
 
-A build is ``ok`` when it compiles, spills nothing, fits in shared memory and, for ``matmul``
-targets, uses tensor cores. The exit status is 0 only when every build is ok; a kernels module
+A build is ``ok`` when it compiles, spills nothing, fits in shared memory, for ``matmul``
+targets uses tensor cores, and on sm_90 keeps its main loop within ``loop_goal``. The exit status is 0 only when every build is ok; a kernels module
 that cannot be imported or has no ``compile_targets`` is reported as a failed row.
 
 The compilation runs in worker subprocesses without ``TRITON_INTERPRET``: with the
@@ -56,7 +66,8 @@ ARCHS = {"sm_80": 80, "sm_90": 90}
 # largest dynamic shared memory a block may use (CUDA C Programming Guide, compute capabilities)
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 _REQUIRED_KEYS = ("kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul")
-_RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores", "error")
+_RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores", "tma",
+                "wgmma_shapes", "loop_per_element", "error")
 
 
 # --------------------------------------------------------------------------------------
@@ -64,7 +75,8 @@ _RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared
 # --------------------------------------------------------------------------------------
 def _problem(kernel: str, error: str, arch: str = "-") -> dict:
     return dict(kernel=kernel, config="-", arch=arch, ok=False, registers=None, spills=None,
-                shared_bytes=None, tensor_cores=None, error=error)
+                shared_bytes=None, tensor_cores=None, tma=None, wgmma_shapes=None, loop_per_element=None,
+                error=error)
 
 
 def _module_names() -> list[str]:
@@ -174,6 +186,55 @@ def _tensor_core_dots(ttgir: str, cap: int, mma_sync_ok: bool = False) -> tuple[
     return wgmma + len(plain), v2
 
 
+_SASS_INSTRUCTION = re.compile(r"^[\w-]+:[\w-]+:[\w-]+:[\w-]+:\w+\s+(.+?);?\s*$")
+_SASS_LABEL = re.compile(r"^(\.?L\w+):\s*$")
+_SASS_BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?`?\(?(\.?L\w+)\)?")
+_TENSOR_CORE_SASS = ("HGMMA", "HMMA", "IMMA")
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """The innermost loops of a kernel's SASS (cuobjdump's text), in program order: for each
+    backward branch whose target label encloses no other loop, the instructions from the
+    label to the branch, inclusive."""
+    instructions, labels, loops = [], {}, []
+    for line in sass.splitlines():
+        line = line.strip()
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        match = _SASS_INSTRUCTION.match(line)
+        if not match:
+            continue
+        instructions.append(match.group(1))
+        branch = _SASS_BRANCH.search(match.group(1))
+        if branch and branch.group(1) in labels:  # a label already seen: a backward branch
+            loops.append((labels[branch.group(1)], len(instructions)))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [instructions[a:b] for a, b in sorted(innermost)]
+
+
+def main_loop(sass: str) -> list[str] | None:
+    """The first innermost loop that issues tensor-core instructions (None without one)."""
+    for loop in sass_loops(sass):
+        if any(op.lstrip("@!UPT0123456789 ").startswith(_TENSOR_CORE_SASS) for op in loop):
+            return loop
+    return None
+
+
+def _loop_metrics(kernel, t: dict, cap: int) -> dict:
+    """tma, wgmma_shapes and loop_per_element of a compiled kernel (see the module docstring)."""
+    ptx = kernel.asm["ptx"]
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+    metrics = dict(tma=cap >= 90 and "cp.async.bulk.tensor" in ptx, wgmma_shapes=" ".join(shapes) or None,
+                   loop_per_element=None)
+    if t.get("loop_scores"):
+        loop = main_loop(kernel.asm["sass"])
+        if loop is not None:
+            metrics["loop_per_element"] = round(len(loop) * 32 * t["num_warps"] / t["loop_scores"], 2)
+    return metrics
+
+
 def _build(module: str, t: dict, arch: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -183,7 +244,7 @@ def _build(module: str, t: dict, arch: str) -> dict:
 
     cap = ARCHS[arch]
     row = dict(kernel=t["kernel"], config=t["config"], arch=arch, ok=False, registers=None, spills=None,
-               shared_bytes=None, tensor_cores=None, error=None)
+               shared_bytes=None, tensor_cores=None, tma=None, wgmma_shapes=None, loop_per_element=None, error=None)
     start = time.perf_counter()
     try:
         sig, constexprs, attrs = _signature(t)
@@ -209,7 +270,17 @@ def _build(module: str, t: dict, arch: str) -> dict:
         row["tensor_cores"] = lowered == dots and any(i in ptx for i in instructions)
     elif t["matmul"]:
         row["tensor_cores"] = False
-    problems = []
+    try:
+        row.update(_loop_metrics(kernel, t, cap))
+    except Exception as e:  # no disassembler: the counts are missing, which a loop goal reports below
+        row["error"] = f"could not disassemble: {type(e).__name__}: {e}"
+    problems = [row["error"]] if row["error"] else []
+    goal = t.get("loop_goal") if cap >= 90 else None
+    if goal is not None:
+        if row["loop_per_element"] is None:
+            problems.append("no main loop with tensor-core instructions found in the SASS")
+        elif row["loop_per_element"] > goal:
+            problems.append(f"main loop: {row['loop_per_element']} SASS instructions per score element > {goal}")
     if row["registers"] is None or row["spills"] is None:
         problems.append(f"could not read ptxas resource usage: {log.strip()[-300:]}")
     elif row["spills"]:
@@ -277,10 +348,12 @@ def _format_table(rows: list[dict], seconds: float) -> str:
     def cell(v):
         return "-" if v is None else ("yes" if v is True else "no" if v is False else str(v))
 
-    header = ("kernel", "config", "arch", "ok", "regs", "spills", "shared", "tensor cores")
+    header = ("kernel", "config", "arch", "ok", "regs", "spills", "shared", "tensor cores", "tma", "wgmma",
+              "loop/elem")
     table = [header] + [
         (r["kernel"], r["config"], r["arch"], "ok" if r["ok"] else "FAIL", cell(r["registers"]),
-         cell(r["spills"]), cell(r["shared_bytes"]), cell(r["tensor_cores"]))
+         cell(r["spills"]), cell(r["shared_bytes"]), cell(r["tensor_cores"]), cell(r.get("tma")),
+         cell(r.get("wgmma_shapes")), cell(r.get("loop_per_element")))
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
@@ -297,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fasttrans compile-check",
         description="Compile every Triton kernel and shipped launch configuration for sm_80/sm_90 (no GPU "
-                    "needed) and report registers, spills, shared memory and tensor-core use.",
+                    "needed) and report registers, spills, shared memory, tensor-core use, TMA and the main "
+                    "loop's SASS instructions per score element.",
     )
     parser.add_argument("--arch", default="sm_80,sm_90",
                         help="comma-separated target architectures (default: sm_80,sm_90)")

@@ -21,12 +21,18 @@ from ._attention_configs import (
     DROPOUT_MASK_CONFIG, MASK_FLOAT, MASK_NONE, dkdv_outputs,
 )
 
-__all__ = ["compile_targets"]
+__all__ = ["compile_targets", "LOOP_GOALS"]
 
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
 _IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
 _FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
                 "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
+# kernels whose main loop computes a (BLOCK_M, BLOCK_N) tile of scores: compile-check counts its
+# SASS per score element
+_LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
+# the most SASS instructions per score element the main loop may take on sm_90 in 16-bit, per
+# (kernel, head-dim class, weight): compile-check fails a target above its goal
+LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -55,6 +61,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
             constexprs["stride_mask_n"] = 1
         if "MASK_GRAD" in kernel.arg_names:
             constexprs["MASK_GRAD"] = heavy
+        if "FOLD_SCALE" in kernel.arg_names:  # a positive scale, in the light class only
+            constexprs["FOLD_SCALE"] = not heavy
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = {
         p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
@@ -72,6 +80,11 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     )
     if archs is not None:
         target["archs"] = list(archs)
+    if name in _LOOP_KERNELS:
+        target["loop_scores"] = cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
+        goal = LOOP_GOALS.get((name, dclass, weight))
+        if goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs:
+            target["loop_goal"] = goal
     if matmul and _wgmma_rows(name, cfg) < 64:
         target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too
     return target
@@ -111,8 +124,12 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask) -> l
 
             for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
                 targets += builds(cfgs, dclass, weight)
-            # bf16 lowers through the same tensor-core paths; one build per kernel proves it
+            # bf16 lowers through the same tensor-core paths; one build per kernel proves it, and
+            # every entry with a loop goal is held to it in bf16 too
             targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
+            for dclass, weight in table[arch]:
+                if (name, dclass, weight) in LOOP_GOALS and arch == "sm_90":
+                    targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
             # fp32: every entry of its own tables, in the precision its class runs
             ieee = FP32_IEEE_CLASSES[stage][arch]
             for (dclass, weight), cfgs in table_fp32[arch].items():

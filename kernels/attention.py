@@ -12,6 +12,11 @@ Forward, one query tile of BLOCK_M rows against key tiles of BLOCK_N columns:
     A_j  = A_{j-1} exp(m_{j-1} - m_j) + (P_j * Z_j / (1 - p)) V_j    Z: dropout keep-mask
     O    = A / l,  lse = m + log(l)               saved in fp32 for the backward
 
+In the light class (no dense mask, no dropout) with scale > 0, FOLD_SCALE keeps the scores
+unscaled: m_j takes the row maximum of Q K^T times scale (the same bits, as rounding is
+monotonic) and the scale enters exp2's argument in its fused multiply-add, one multiply
+per score fewer in the loop.
+
 A row with no allowed key ends with l = 0: O = 0 and lse = +inf, so that the backward's
 exp(S - lse) recomputes P = 0 for it (never NaN). The running maximum is replaced by 0
 while it is still -inf, so exp(-inf - (-inf)) never appears.
@@ -210,8 +215,10 @@ def _masked_scores(
     causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr = False,
 ):
-    """Scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask forbids.
+    """Scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask forbids; with
+    FOLD_SCALE (no float mask, scale > 0), q k^T unscaled, for _online_softmax_step to scale.
 
     Shared by the forward and the dQ backward so both see exactly the same masked scores.
     """
@@ -221,7 +228,10 @@ def _masked_scores(
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
-    s = s * qk_scale
+    if FOLD_SCALE:
+        tl.static_assert(MASK_KIND != 2, "a float mask is added to scaled scores")
+    else:
+        s = s * qk_scale
     if MASK_KIND != 0:
         mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
             + offs_n[None, :] * stride_mask_n
@@ -260,10 +270,10 @@ def _key_tile_scores(
     start_n, kv_len, causal_offset, qk_scale,  # the key tile's first key; keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
 ):
     """The key tile at start_n, loaded, and the query tile's masked scores against it:
-    (scores, (start_n as int64, key columns, columns < kv_len))."""
+    (scores, (start_n as int64, key columns, columns < kv_len)); unscaled with FOLD_SCALE."""
     _, _, d_ok = tile
     K_head, stride_k_n = keys
     offs_n = tl.arange(0, BLOCK_N)
@@ -275,7 +285,7 @@ def _key_tile_scores(
                    col_ok, d_ok, ELEMENT_MASKED, MASK_D)
     key_tile = (start_n64, cols, col_ok)
     s = _masked_scores(q, k, tile, key_tile, mask, causal_offset, qk_scale, BLOCK_M, BLOCK_N, MASK_KIND,
-                       IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+                       IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE)
     return s, key_tile
 
 
@@ -290,13 +300,25 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
-def _online_softmax_step(s, l_i, m_i):
-    """One key tile of the online softmax: (P, the rescale of the old sums, new l, new m)."""
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+def _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE: tl.constexpr):
+    """One key tile of the online softmax: (P, the rescale of the old sums, new l, new m).
+
+    With FOLD_SCALE, s is unscaled and qk_scale > 0: the row maximum is taken before scaling
+    (max(x) c rounds to max(x c) for c > 0, the same bits) and the scale enters exp2's
+    argument as one fused multiply-add, instead of a multiply per score of its own.
+    """
+    if FOLD_SCALE:
+        row_max = tl.reduce(s, 1, _max_propagating_nan) * qk_scale
+    else:
+        row_max = tl.reduce(s, 1, _max_propagating_nan)
+    m_new = tl.maximum(m_i, row_max, propagate_nan=tl.PropagateNan.ALL)
     # while a row has seen no allowed key its maximum is -inf: subtract 0 instead
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    if FOLD_SCALE:
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    else:
+        p = tl.math.exp2(s - m_safe[:, None])
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
@@ -313,7 +335,7 @@ def _attention_fwd_inner(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     acc, l_i, m_i = state
     offs_m, _, d_ok = tile
@@ -326,10 +348,10 @@ def _attention_fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         s, key_tile = _key_tile_scores(
             q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
-            MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
+            MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
         )
         start_n64, cols, col_ok = key_tile
-        p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i)
+        p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
@@ -361,6 +383,7 @@ def _attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,  # scale > 0, no dense mask, no dropout: see _online_softmax_step
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
@@ -399,11 +422,13 @@ def _attention_fwd_kernel(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         0, full_end, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
+        FOLD_SCALE,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         full_end, hi, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
+        FOLD_SCALE,
     )
 
     # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
@@ -478,7 +503,7 @@ def _attention_row_stats(
             q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
             MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
         )
-        _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i)
+        _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i, qk_scale, False)
     return l_i, m_i
 
 
@@ -894,7 +919,7 @@ def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
             for arch, table in configs.items() for k, cfgs in table.items()}
 
 
-_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32})
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32}, "FOLD_SCALE")
 _DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {"16-bit": BWD_DKDV_CONFIGS, "fp32": BWD_DKDV_CONFIGS_FP32},
                          "OUTPUT")
 _DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp32": BWD_DQ_CONFIGS_FP32},
@@ -1079,18 +1104,18 @@ def _kv_signature(t: torch.Tensor) -> tuple:
     return B, H, D, t.stride(), t.dtype, t.get_device(), _data_ptr(t) & 15
 
 
-def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dropout_p, seed) -> tuple:
+def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dropout_p, scale, seed) -> tuple:
     """The forward site's key: Lk and the causal offset by their integer classes and Lk's
-    tuning bucket (see _kv_signature)."""
+    tuning bucket (see _kv_signature), and whether scale > 0 (FOLD_SCALE)."""
     Lk = k.shape[2]
     return (sig(q), _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
-            int_class(Lk), _bucket(Lk), int_class(causal_offset), _call_flags(q, dropout_p, seed))
+            int_class(Lk), _bucket(Lk), int_class(causal_offset), scale > 0, _call_flags(q, dropout_p, seed))
 
 
 def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
-    key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed)
+    key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
     site = _FWD_SITES.get(key)
     (B, H, Lq, D), q_strides = key[0][0], key[0][1]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
@@ -1116,8 +1141,13 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         if site is not None:
             launch(args)
         else:
+            spec = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
+            # the row maximum before the scale, which must be positive to commute with it; in
+            # the light class only, whose worst case compile-check builds with it
+            c = spec.constexprs
+            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and c["MASK_KIND"] == MASK_NONE and not c["HAS_DROPOUT"])
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                             args, _features(q, attn_mask, key_lengths, is_causal, dropout_p))
+                             args, spec)
             remember(_FWD_SITES, key, (launch, ints, tail))
     return out, lse
 
@@ -1305,7 +1335,7 @@ class AttentionSite:
         out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0)
         # the kernel site just made (absent where attention_fwd keeps none): later calls
         # launch it; its key holds the same classes of Lk and the offset as this site's
-        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, 0))
+        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset: int, scale):
@@ -1336,7 +1366,8 @@ def attention_site(q, k, v, attn_mask, key_lengths, is_causal: bool, causal_offs
     None or a finite float. Looked up by the tensors' shapes (k's and v's without their
     length), strides, dtypes, devices and alignment; is_causal; the classes Triton
     specialises Lk and the clamped causal offset on, and Lk's tuning bucket (Lk itself when
-    there is a mask, whose shape depends on it); whether scale is given; and, for fp32, the
+    there is a mask, whose shape depends on it); whether scale is given, and if so whether it
+    is positive (the forward kernel's FOLD_SCALE); and, for fp32, the
     TF32 setting the kernels follow, and max_head_dim. The first call of a kind asks
     ``common_case(q, k, v, attn_mask, key_lengths, max_head_dim)``
     (fasttrans.backends.common_case) whether the call is of it.
@@ -1352,7 +1383,7 @@ def attention_site(q, k, v, attn_mask, key_lengths, is_causal: bool, causal_offs
         key = (qsig, _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), is_causal,
                (Lk & 15) == 0, Lk == 1, Lk < _INT32_END, min((Lk - 1).bit_length(), _MAX_BUCKET_BITS),
                (offset & 15) == 0, offset == 1, -_INT32_END <= offset < _INT32_END,
-               None if attn_mask is None else Lk, scale is None,
+               None if attn_mask is None else Lk, None if scale is None else scale > 0,
                input_precision(dtype) if dtype == torch.float32 else None, max_head_dim)
     except (RuntimeError, IndexError):  # a layout without strides or storage; fewer than three dims
         return None

@@ -165,6 +165,40 @@ def test_grouped_query_cross_attention(H, Hkv, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "key_lengths+causal_neg", "bool"])
+@pytest.mark.parametrize("scale", [0.3, -0.7, 0.0], ids=["positive", "negative", "zero"])
+def test_scales_of_every_sign(scale, kind, device):
+    # a positive scale is folded into exp2's argument after the row maximum (FOLD_SCALE);
+    # the others scale the scores first
+    q, k, v = _inputs(2, 2, 1, 21, 37, 32, device)
+    _check(q, k, v, dict(_masks(kind, 2, 2, 21, 37, device), scale=scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "key_lengths+causal"])
+def test_folded_scale_gives_the_bits_of_scaled_scores(kind, device, monkeypatch):
+    """(-q) k^T (-c) = q k^T c exactly, so the unfolded route on -q with scale -c must give
+    the folded route's output and lse bit for bit, and the folded route must be taken."""
+    folds = []
+    launch = K._launch
+
+    def spy(tuned, kernel, stage, grid, args, spec):
+        if stage == "fwd":
+            folds.append(spec.constexprs["FOLD_SCALE"])
+        return launch(tuned, kernel, stage, grid, args, spec)
+
+    monkeypatch.setattr(K, "_launch", spy)
+    monkeypatch.setattr(K, "_FWD_SITES", {})  # no launch bound by an earlier test
+    q, k, v = _inputs(2, 2, 1, 21, 37, 32, device)
+    kw = _masks(kind, 2, 2, 21, 37, device)
+    args = (kw.get("attn_mask"), kw.get("key_lengths"), kw.get("is_causal", False), kw.get("causal_offset", 0), 0.0)
+    out, lse = K.attention_fwd(q, k, v, *args, 0.3, 0)
+    out_neg, lse_neg = K.attention_fwd(-q, k, v, *args, -0.3, 0)
+    assert folds == [True, False]
+    assert torch.equal(out, out_neg) and torch.equal(lse, lse_neg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_broadcast_masks(device):
     """(B, L, H, D)-layout views and masks with stride-0 broadcast dims, read without copies."""
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 18, 27, 32

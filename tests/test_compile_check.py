@@ -71,7 +71,7 @@ def test_json_output_has_the_documented_keys(capsys):
     assert status == 0, rows
     assert len(rows) == 1
     assert set(rows[0]) == {"kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores",
-                            "error"}
+                            "tma", "wgmma_shapes", "loop_per_element", "error"}
     assert rows[0]["kernel"] == "attention_dropout_mask" and rows[0]["arch"] == "sm_80" and rows[0]["ok"]
 
 
@@ -102,7 +102,15 @@ def fake_kernels(tmp_path, monkeypatch):
             fma = _compile_target(A._attention_fwd_kernel, "fp32_fwd", _cfg(32, 32, 4, 1), 64, "light")
             for name in ("Q", "K", "V", "Out", "Mask"):
                 fma["signature"][name] = "*fp32"
-            return [spills, fma]
+            # a loop goal no kernel meets
+            slow = _compile_target(A._attention_fwd_kernel, "slow_loop_fwd", _cfg(128, 128, 8, 3), 64, "light")
+            slow.update(loop_scores=128 * 128, loop_goal=1.0)
+            # a loop goal on a kernel whose loop issues no tensor-core instruction
+            no_loop = _compile_target(A._attention_fwd_kernel, "fma_loop_fwd", _cfg(32, 32, 4, 1), 64, "light")
+            for name in ("Q", "K", "V", "Out", "Mask"):
+                no_loop["signature"][name] = "*fp32"
+            no_loop.update(matmul=False, loop_scores=32 * 32, loop_goal=100.0)
+            return [spills, fma, slow, no_loop]
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     return "fake_kernels_pkg"
@@ -118,4 +126,70 @@ def test_reports_spills_missing_tensor_cores_and_broken_modules(fake_kernels):
     assert not oversized["ok"] and oversized["spills"] > 0, oversized
     fma = by_kernel["fp32_fwd"]
     assert not fma["ok"] and fma["tensor_cores"] is False and "mma.sync" in fma["error"], fma
-    assert all(not r["ok"] for r in rows)
+    # loop goals hold on sm_90 only
+    for name in ("slow_loop_fwd", "fma_loop_fwd"):
+        assert by_kernel[name]["ok"], by_kernel[name]
+    assert by_kernel["slow_loop_fwd"]["loop_per_element"] > 1.0
+    assert all(not r["ok"] for r in rows if not r["kernel"].endswith("_loop_fwd"))
+
+
+def test_reports_loops_over_their_goal(fake_kernels):
+    rows = compile_check.run(["sm_90"], jobs=1, modules=[f"{fake_kernels}.bad"], kernel="loop_fwd")
+    by_kernel = {r["kernel"]: r for r in rows}
+    slow = by_kernel["slow_loop_fwd"]
+    assert not slow["ok"] and slow["spills"] == 0 and slow["tensor_cores"], slow
+    assert slow["loop_per_element"] > 1.0 and "SASS instructions per score element > 1.0" in slow["error"], slow
+    assert "m64n128k16" in slow["wgmma_shapes"] and slow["tma"] is False, slow
+    no_loop = by_kernel["fma_loop_fwd"]
+    assert not no_loop["ok"] and no_loop["loop_per_element"] is None and "no main loop" in no_loop["error"], no_loop
+
+
+SASS = """
+Function:kernel
+--:-:-:-:1	MOV R1, R2;
+LBB0:
+--:-:-:-:1	FADD R1, R1, R2;
+LBB1:
+--:-:-:-:1	HMMA.16816.F32 R4, R8, R12, R4;
+--:-:-:-:1	FMUL R1, R1, R1;
+--:-:-:-:5	@P0 BRA LBB1;
+--:-:-:-:1	IADD3 R3, R3, 0x1, RZ;
+--:-:-:-:5	@P1 BRA LBB0;
+--:-:-:-:1	@!P2 BRA LBB3;
+--:-:-:-:1	EXIT;
+LBB2:
+--:-:-:-:1	FADD R1, R1, R2;
+--:-:-:-:5	@P0 BRA LBB2;
+LBB3:
+--:-:-:-:1	FADD R1, R1, R2;
+--:-:-:-:1	HGMMA.64x64x16.F32 R24, gdesc[UR28], RZ, !UPT;
+--:-:-:-:5	@P0 BRA LBB3;
+"""
+
+
+def test_sass_loops_are_the_innermost_backward_branches():
+    loops = compile_check.sass_loops(SASS)
+    # the outer LBB0 loop encloses LBB1's; a forward branch (to LBB3 at first) is no loop
+    assert [len(loop) for loop in loops] == [3, 2, 3]
+    assert loops[0][0].startswith("HMMA") and loops[0][-1] == "@P0 BRA LBB1"
+    assert compile_check.main_loop(SASS) == loops[0]
+    assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA")) == loops[2]
+    assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA").replace("HGMMA.64x64x16.F32", "FFMA")) \
+        is None
+
+
+@pytest.mark.slow
+def test_loop_goals_hold_for_every_forward_entry_they_name(all_rows):
+    from fasttrans.kernels import _attention_configs as configs
+    from fasttrans.kernels._attention_targets import LOOP_GOALS
+
+    # every sm_90 entry of a class with a goal is built in fp16 and bf16 and meets it
+    assert LOOP_GOALS
+    for (kernel, dclass, weight), goal in LOOP_GOALS.items():
+        table = configs.FWD_CONFIGS["sm_90"][(dclass, weight)]
+        for dtype in ("", "-bf16"):  # fp16 and bf16, every entry of the class
+            for cfg in table:
+                name = f"d{dclass}-{weight}-m{cfg.kwargs['BLOCK_M']}-n{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}" \
+                       f"s{cfg.num_stages}{dtype}"
+                row = next(r for r in all_rows if r["kernel"] == kernel and r["arch"] == "sm_90" and r["config"] == name)
+                assert row["ok"] and row["loop_per_element"] is not None and row["loop_per_element"] <= goal, row
