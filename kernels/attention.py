@@ -178,18 +178,33 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr
 
 
 @triton.jit
-def _dropout_keep(seed, threshold, b, h, rows, cols):
-    """keep(b, h, i, j) for query rows i and key columns j broadcast against each other
-    (rows[:, None] with cols[None, :], or transposed): word j % 4 of Philox4x32-10 with key
-    seed and counter (j // 4, i, h, b), kept when (word >> 8) >= threshold = round(p 2^24).
-    That is csrc/philox.h's dropout_keep: the extension draws the same mask bit for bit."""
-    i = rows.to(tl.uint32)
-    j = cols.to(tl.uint32)
-    zero = i * 0 + j * 0  # the broadcast shape
-    w0, w1, w2, w3 = tl.philox(seed, zero + (j >> 2), zero + i, zero + h.to(tl.uint32), zero + b.to(tl.uint32))
-    t = zero + (j & 3)
-    word = tl.where(t == 0, w0, tl.where(t == 1, w1, tl.where(t == 2, w2, w3)))
-    return (word >> 8).to(tl.int32) >= threshold  # 24-bit integers: exact on every device
+def _dropout_keep_tile(seed, threshold, b, h, offs_m, start_n, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """keep(b, h, i, j) of query rows i = offs_m (BLOCK_M,) and the key tile's columns j =
+    start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4): (BLOCK_M, BLOCK_N), or
+    (BLOCK_N, BLOCK_M) when TRANSPOSED. keep is word j % 4 of Philox4x32-10 with key seed and
+    counter (j // 4, i, h, b), kept when (word >> 8) >= threshold = round(p 2^24): csrc/
+    philox.h's dropout_keep, so the extension draws the same mask bit for bit. One Philox
+    call gives the four keys 4g .. 4g + 3, its words interleaved into the tile's columns."""
+    tl.static_assert(BLOCK_N % 4 == 0, "key tiles hold whole groups of four keys")
+    groups = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
+    i = offs_m.to(tl.uint32)
+    if TRANSPOSED:
+        g, i = groups[:, None], i[None, :]
+    else:
+        i, g = i[:, None], groups[None, :]
+    zero = i * 0 + g * 0  # the broadcast shape
+    w0, w1, w2, w3 = tl.philox(seed, zero + g, zero + i, zero + h.to(tl.uint32), zero + b.to(tl.uint32))
+    keep0 = (w0 >> 8).to(tl.int32) >= threshold
+    keep1 = (w1 >> 8).to(tl.int32) >= threshold
+    keep2 = (w2 >> 8).to(tl.int32) >= threshold
+    keep3 = (w3 >> 8).to(tl.int32) >= threshold
+    # join stacks on a new last axis: [..., c, a] is word 2c + a, so the flat order is 0, 1, 2, 3
+    keep = tl.join(tl.join(keep0, keep2), tl.join(keep1, keep3))
+    if TRANSPOSED:  # (N/4, M, 2, 2) -> (N/4, 2, 2, M) -> (N, M)
+        keep = tl.reshape(tl.permute(keep, (0, 2, 3, 1)), (BLOCK_N, offs_m.shape[0]))
+    else:
+        keep = tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+    return keep
 
 
 @triton.jit
@@ -354,7 +369,7 @@ def _attention_fwd_inner(
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
+            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
@@ -565,7 +580,7 @@ def _attention_bwd_exact_rows_kernel(
 def _attention_bwd_dkdv_inner(
     acc,  # (dk, dv): (BLOCK_N, BLOCK_D) fp32 accumulators
     k, v,  # (BLOCK_N, BLOCK_D) key/value tile
-    tile,  # (cols, col_ok, d_ok): key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
+    tile,  # (start_n, cols, col_ok, d_ok): first key, key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
     queries, grads,  # (Q_b, stride_q_h, stride_q_m), (DO_b, stride_do_h, stride_do_m): this batch at (head 0, row 0)
     mask,  # (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n): at (batch, head 0, row 0, first key of the tile)
     stats,  # (Hi_b, Delta_b): this batch's (H, Lq) hi and r delta (see the module docstring)
@@ -581,7 +596,7 @@ def _attention_bwd_dkdv_inner(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     dk, dv = acc
-    cols, col_ok, d_ok = tile
+    start_n, cols, col_ok, d_ok = tile
     Q_b, stride_q_h, stride_q_m = queries
     DO_b, stride_do_h, stride_do_m = grads
     Mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
@@ -629,7 +644,7 @@ def _attention_bwd_dkdv_inner(
         # otherwise make their scores NaN, and exp2(NaN - inf) NaN
         p_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - row_hi[None, :]), 0.0)
         if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed, dropout_threshold, off_b, off_h, rows[None, :], cols[:, None])
+            keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, rows, start_n, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
         if OUTPUT != "dk":
             pd_t = p_t
@@ -711,7 +726,7 @@ def _attention_bwd_dkdv_kernel(
     rows_b = off_b * H * Lq  # this batch's first row of hi and delta
     heads = (off_hkv * GROUP, GROUP)
     stats = (Hi + rows_b, Delta + rows_b)
-    tile = (cols, col_ok, d_ok)
+    tile = (start_n, cols, col_ok, d_ok)
     queries = (Q_b, stride_q_h, stride_q_m)
     grads = (DO_b, stride_do_h, stride_do_m)
     mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n)
@@ -781,7 +796,7 @@ def _attention_bwd_dq_inner(
         p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
+            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:
@@ -892,7 +907,7 @@ def _attention_dropout_mask_kernel(
     out_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk
     for start_n in range(0, Lk, BLOCK_N):
         cols = start_n + offs_n
-        keep = _dropout_keep(seed, dropout_threshold, off_b, off_h, offs_m[:, None], cols[None, :])
+        keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
         tl.store(Keep + out_rows[:, None] + cols[None, :], keep.to(tl.uint8),
                  mask=row_ok[:, None] & (cols < Lk)[None, :])
 
