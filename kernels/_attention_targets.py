@@ -18,7 +18,7 @@ from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
-    DROPOUT_MASK_CONFIG, MASK_FLOAT, MASK_NONE, dkdv_outputs,
+    DROPOUT_MASK_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
 )
 
 __all__ = ["compile_targets", "LOOP_GOALS"]
@@ -90,6 +90,21 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     return target
 
 
+def _feature_alone(target: dict, feature: str) -> dict:
+    """A heavy forward target specialised for one feature alone ("bool" mask or "dropout"),
+    so that compile-check counts that feature's own cost in the loop; built, not shipped apart."""
+    c = dict(target["constexprs"], IS_CAUSAL=False, HAS_KEY_LENGTHS=False, HAS_DROPOUT=feature == "dropout",
+             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE)
+    signature = dict(target["signature"])
+    if feature == "bool":
+        signature["Mask"] = "*u8"
+    else:  # no mask: its last stride is an ordinary integer
+        c.pop("stride_mask_n")
+        signature["stride_mask_n"] = "i32"
+    return dict(target, config=f"{target['config']}-{feature}", constexprs=c, signature=signature,
+                divisible_by_16=[p for p in signature if p.startswith("stride_")])
+
+
 def _runtime_params(kernel) -> list[str]:
     """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
     functions carry no parsed parameters)."""
@@ -130,6 +145,10 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask) -> l
             for dclass, weight in table[arch]:
                 if (name, dclass, weight) in LOOP_GOALS and arch == "sm_90":
                     targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
+            if stage == "fwd" and arch == "sm_90":  # the loop's cost of a dense mask, and of dropout, alone
+                for dclass in (64, 128):
+                    heavy = builds(table[arch][(dclass, "heavy")][:1], dclass, "heavy")[0]
+                    targets += [_feature_alone(heavy, feature) for feature in ("bool", "dropout")]
             # fp32: every entry of its own tables, in the precision its class runs
             ieee = FP32_IEEE_CLASSES[stage][arch]
             for (dclass, weight), cfgs in table_fp32[arch].items():
