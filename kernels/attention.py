@@ -47,7 +47,8 @@ Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Phil
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
 extension backends drop the same scores for a seed. It is a pure function of the position,
 regenerated identically by the forward, both backward kernels and the debug entry point
-``attention_dropout_mask``.
+``attention_dropout_mask``, each with one Philox call per four keys of a tile (its four
+words are the four keys' draws).
 
 Mask specialisation: the host classifies the masks into constexprs (MASK_KIND none / bool
 / float, HAS_KEY_LENGTHS, IS_CAUSAL, HAS_DROPOUT), so each combination compiles to its own
