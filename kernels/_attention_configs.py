@@ -58,8 +58,8 @@ FWD_CONFIGS = {
 # dK/dV: one program per key tile (BLOCK_N), inner loop over query tiles (BLOCK_M). Head dims
 # above 128 run it twice (dV, then dK), one fp32 accumulator at a time.
 BWD_DKDV_CONFIGS = {
-    "sm_90": {
-        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+    "sm_90": {  # query tiles of 64 where they fit: the transposed S^T = K Q^T then has wgmma N = 64
+        (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
         (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
         (128, "heavy"): [_cfg(16, 64, 4, 1), _cfg(16, 128, 8, 2)],
