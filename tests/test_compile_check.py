@@ -179,14 +179,16 @@ def test_sass_loops_are_the_innermost_backward_branches():
 
 
 @pytest.mark.slow
-def test_loop_goals_hold_for_every_forward_entry_they_name(all_rows):
+def test_loop_goals_hold_for_every_entry_they_name(all_rows):
     from fasttrans.kernels import _attention_configs as configs
     from fasttrans.kernels._attention_targets import LOOP_GOALS
 
     # every sm_90 entry of a class with a goal is built in fp16 and bf16 and meets it
+    tables = {"attention_fwd": configs.FWD_CONFIGS, "attention_bwd_dkdv": configs.BWD_DKDV_CONFIGS,
+              "attention_bwd_dq": configs.BWD_DQ_CONFIGS}
     assert LOOP_GOALS
     for (kernel, dclass, weight), goal in LOOP_GOALS.items():
-        table = configs.FWD_CONFIGS["sm_90"][(dclass, weight)]
+        table = tables[kernel]["sm_90"][(dclass, weight)]
         for dtype in ("", "-bf16"):  # fp16 and bf16, every entry of the class
             for cfg in table:
                 name = f"d{dclass}-{weight}-m{cfg.kwargs['BLOCK_M']}-n{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}" \
