@@ -37,8 +37,9 @@ Every target is compiled with ``triton.compile`` for each requested architecture
                         thread executes per score it owns)
 
 A build is ``ok`` when it compiles, spills nothing, fits in shared memory, for ``matmul``
-targets uses tensor cores, and on sm_90 keeps its main loop within ``loop_goal``. The exit status is 0 only when every build is ok; a kernels module
-that cannot be imported or has no ``compile_targets`` is reported as a failed row.
+targets uses tensor cores, and on sm_90 keeps its main loop within ``loop_goal``. The exit
+status is 0 only when every build is ok; a kernels module that cannot be imported or has no
+``compile_targets`` is reported as a failed row.
 
 The compilation runs in worker subprocesses without ``TRITON_INTERPRET``: with the
 interpreter on (as in the CPU test suite), ``@triton.jit`` yields interpreter objects that
@@ -189,6 +190,7 @@ def _tensor_core_dots(ttgir: str, cap: int, mma_sync_ok: bool = False) -> tuple[
 _SASS_INSTRUCTION = re.compile(r"^[\w-]+:[\w-]+:[\w-]+:[\w-]+:\w+\s+(.+?);?\s*$")
 _SASS_LABEL = re.compile(r"^(\.?L\w+):\s*$")
 _SASS_BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?`?\(?(\.?L\w+)\)?")
+_SASS_PREDICATE = re.compile(r"^@!?U?P(?:\d|T)\s+")  # @P0, @!P1, @UP0, @!PT
 _TENSOR_CORE_SASS = ("HGMMA", "HMMA", "IMMA")
 
 
@@ -217,7 +219,7 @@ def sass_loops(sass: str) -> list[list[str]]:
 def main_loop(sass: str) -> list[str] | None:
     """The first innermost loop that issues tensor-core instructions (None without one)."""
     for loop in sass_loops(sass):
-        if any(op.lstrip("@!UPT0123456789 ").startswith(_TENSOR_CORE_SASS) for op in loop):
+        if any(_SASS_PREDICATE.sub("", op).startswith(_TENSOR_CORE_SASS) for op in loop):
             return loop
     return None
 

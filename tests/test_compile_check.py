@@ -162,7 +162,7 @@ LBB2:
 --:-:-:-:5	@P0 BRA LBB2;
 LBB3:
 --:-:-:-:1	FADD R1, R1, R2;
---:-:-:-:1	HGMMA.64x64x16.F32 R24, gdesc[UR28], RZ, !UPT;
+--:-:-:-:1	@!UP0 HGMMA.64x64x16.F32 R24, gdesc[UR28], RZ, !UPT;
 --:-:-:-:5	@P0 BRA LBB3;
 """
 
@@ -173,7 +173,7 @@ def test_sass_loops_are_the_innermost_backward_branches():
     assert [len(loop) for loop in loops] == [3, 2, 3]
     assert loops[0][0].startswith("HMMA") and loops[0][-1] == "@P0 BRA LBB1"
     assert compile_check.main_loop(SASS) == loops[0]
-    assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA")) == loops[2]
+    assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA")) == loops[2]  # a predicated HGMMA
     assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA").replace("HGMMA.64x64x16.F32", "FFMA")) \
         is None
 
