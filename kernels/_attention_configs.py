@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_EXACT_ROWS_CONFIGS", "DROPOUT_MASK_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_EXACT_ROWS_CONFIGS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -50,9 +50,9 @@ FWD_CONFIGS = {
         (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
         (64, "heavy"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (128, "heavy"): [_cfg(128, 32, 8, 1), _cfg(64, 32, 4, 2)],
         (256, "light"): [_cfg(64, 16, 4, 1)],
-        (256, "heavy"): [_cfg(64, 16, 4, 1)],
+        (256, "heavy"): [_cfg(32, 32, 4, 1)],
     },
 }
 # dK/dV: one program per key tile (BLOCK_N), inner loop over query tiles (BLOCK_M). Head dims
@@ -62,7 +62,7 @@ BWD_DKDV_CONFIGS = {
         (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
         (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 4, 1), _cfg(16, 128, 8, 2)],
+        (128, "heavy"): [_cfg(16, 64, 4, 1), _cfg(16, 128, 8, 1)],
         (256, "light"): [_cfg(16, 64, 8, 2)],
         (256, "heavy"): [_cfg(16, 64, 8, 2)],
     },
@@ -72,7 +72,7 @@ BWD_DKDV_CONFIGS = {
         (128, "light"): [_cfg(16, 128, 8, 2), _cfg(32, 64, 4, 2)],
         (128, "heavy"): [_cfg(16, 64, 8, 2), _cfg(16, 32, 4, 2)],
         (256, "light"): [_cfg(16, 64, 8, 1)],
-        (256, "heavy"): [_cfg(16, 32, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1)],
     },
 }
 
@@ -91,7 +91,7 @@ BWD_DQ_CONFIGS = {
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (256, "light"): [_cfg(64, 32, 4, 2)],
-        (256, "heavy"): [_cfg(64, 16, 8, 2)],
+        (256, "heavy"): [_cfg(64, 16, 8, 3)],
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 32, 4, 2)],
@@ -119,7 +119,7 @@ FWD_CONFIGS_FP32 = {
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 8, 2), _cfg(128, 16, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 32, 4, 1)],
+        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(32, 32, 4, 1)],
         (128, "light"): [_cfg(32, 32, 4, 1)],
         (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
         (256, "light"): [_cfg(16, 16, 4, 1)],
@@ -151,7 +151,7 @@ BWD_DQ_CONFIGS_FP32 = {
         (128, "light"): [_cfg(32, 32, 8, 1), _cfg(16, 32, 4, 1)],
         (128, "heavy"): [_cfg(16, 32, 8, 1)],
         (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 8, 1)],
     },
     "sm_80": {
         (64, "light"): [_cfg(32, 32, 4, 1), _cfg(32, 16, 4, 1)],
@@ -174,6 +174,7 @@ BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 
 # the statistics of rows of huge scores (rare: a block without one only reads its lse); not tuned
 BWD_EXACT_ROWS_CONFIGS = {64: _cfg(32, 16, 4, 1), 128: _cfg(16, 16, 4, 1), 256: _cfg(16, 16, 4, 1)}
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
+TILE_MAP_CONFIG = triton.Config({}, num_warps=4, num_stages=1)  # one pass over a mask: not tuned
 
 # The interpreter (TRITON_INTERPRET=1, CPU) runs one fixed small configuration: tiles small
 # enough that awkward sizes exercise partial tiles, multi-tile loops and BLOCK_M != BLOCK_N.

@@ -18,7 +18,7 @@ from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
-    DROPOUT_MASK_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
+    DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
 )
 
 __all__ = ["compile_targets", "LOOP_GOALS"]
@@ -26,6 +26,7 @@ __all__ = ["compile_targets", "LOOP_GOALS"]
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
 _IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
 _FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
+                "TileMap": "*i8",
                 "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
 # kernels whose main loop computes a (BLOCK_M, BLOCK_N) tile of scores: compile-check counts its
 # SASS per score element
@@ -46,6 +47,7 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
     ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
     """
+    label = extra.pop("label", None)  # a name part of the config, not a constexpr
     if precision is None:
         precision = "tf32x3" if dtype == torch.float32 else "ieee"
     io = "*" + _TRITON_DTYPE[dtype]
@@ -68,7 +70,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
         p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
         for p in params if p not in constexprs
     }
-    parts = [f"d{dclass}" if dclass else None, weight, "m{BLOCK_M}".format(**cfg.kwargs),
+    parts = [f"d{dclass}" if dclass else None, weight, label,
+             "m{BLOCK_M}".format(**cfg.kwargs) if "BLOCK_M" in cfg.kwargs else None,
              "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,
              f"w{cfg.num_warps}s{cfg.num_stages}", extra.get("OUTPUT") if extra.get("OUTPUT", "dkdv") != "dkdv"
              else None, _TRITON_DTYPE[dtype] if dtype != torch.float16 else None,
@@ -121,9 +124,10 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
     return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
 
 
-def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask) -> list[dict]:
+def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask, tile_map) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
-    kernels/attention.py: the forward, dK/dV, dQ, preprocess, exact-rows and dropout-mask ones."""
+    kernels/attention.py: the forward, dK/dV, dQ, preprocess, exact-rows, dropout-mask and
+    tile-map ones."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -175,4 +179,10 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask) -> l
                                        archs=[arch], precision="tf32"))
     targets.append(_compile_target(dropout_mask, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))
+    for kind, dtype in ((MASK_BOOL, torch.float16), (MASK_FLOAT, torch.float32)):  # a float mask of fp32
+        target = _compile_target(tile_map, "attention_tile_map", TILE_MAP_CONFIG, None, None, dtype, matmul=False,
+                                 MASK_KIND=kind, label="bool" if kind == MASK_BOOL else "float")
+        if kind == MASK_BOOL:  # read as uint8
+            target["signature"]["Mask"] = "*u8"
+        targets.append(target)
     return targets

@@ -58,6 +58,18 @@ causal and key-length masks and which run without per-element masking, and bound
 row's key length are never loaded. A dense mask is read through its strides (stride 0 on
 broadcast dims), never expanded in memory.
 
+Dense masks as a tile map: before its first use, a bool or float mask is classified by one
+pass of _attention_tile_map_kernel on the device (no host sync), for every tile shape from
+MAP_CELL x MAP_CELL to MAP_TILE x MAP_TILE in powers of two, so that a kernel reads one byte
+per tile whatever its configuration: LIVE, some element may attend (bool True; any element
+of a float mask, as a NaN score plus -inf is NaN in the reference); DENSE, some element
+changes the scores (bool False, float not 0). A query tile's key loop (a key tile's query
+loop in dK/dV) runs from its first to its last LIVE tile only, so the tiles of padding, of a
+causal or a sliding-window mask written densely, are never loaded; a tile without DENSE
+loads no mask (its load is predicated off). Dims the mask broadcasts over have one entry.
+The map is cached with the mask tensor (tile_map): the layers of a model that share a mask,
+and the backward, reuse it while the tensor is the same object with the same version counter.
+
 The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
 one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
 the query tile of its inner loop can then stay small. Head dims above 128 run it twice,
@@ -90,6 +102,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 import triton
@@ -103,12 +116,12 @@ from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
-    DROPOUT_MASK_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
+    DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_site", "AttentionSite",
-           "compile_targets"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_tile_map", "attention_site",
+           "AttentionSite", "compile_targets", "MAP_CELL", "MAP_TILE", "MAP_LIVE", "MAP_DENSE"]
 
 # --------------------------------------------------------------------------------------
 # Constants and launch keys (the configuration tables and mask kinds: kernels/_attention_configs.py)
@@ -120,6 +133,14 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x
 MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
 EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recomputed (see above)
+# Dense-mask tile map (see the module docstring): a code per tile for every tile shape of
+# MAP_CELL x MAP_CELL times powers of two up to MAP_TILE x MAP_TILE (the largest tile of any
+# configuration), over the mask padded to whole MAP_TILE blocks. A code has the bit LIVE (some
+# element may attend) and the bit DENSE (some element's mask value must be read).
+MAP_CELL = tl.constexpr(16)
+MAP_TILE = tl.constexpr(128)
+MAP_LIVE = tl.constexpr(1)
+MAP_DENSE = tl.constexpr(2)
 
 
 # Autotuning keys: sequence lengths enter only through power-of-two buckets (LQ_BUCKET,
@@ -209,9 +230,13 @@ def _dropout_keep_tile(seed, threshold, b, h, offs_m, start_n, BLOCK_N: tl.const
 
 
 @triton.jit
-def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
-    """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the load."""
-    mval = tl.load(mask_ptrs, mask=load_ok, other=0)
+def _apply_dense_mask(s, mask_ptrs, load_ok, dense, MASK_KIND: tl.constexpr):
+    """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the
+    load and is all false on a tile that is not dense (_tile_dense), which then reads True or 0."""
+    if MASK_KIND == 1:
+        mval = tl.load(mask_ptrs, mask=load_ok, other=(~dense).to(tl.uint8))
+    else:
+        mval = tl.load(mask_ptrs, mask=load_ok, other=0)
     if MASK_KIND == 1:  # MASK_BOOL: nonzero = may attend
         s = tl.where(mval != 0, s, float("-inf"))
     else:
@@ -223,11 +248,134 @@ def _apply_dense_mask(s, mask_ptrs, load_ok, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
+def _map_level(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the level of (BLOCK_M, BLOCK_N) tiles starts in a (batch, head)'s tile map, in
+    units of CM * CN / 64 codes (CM x CN: the MAP_CELL level). Levels run over tile rows of
+    a = BLOCK_M / MAP_CELL = 1, 2, 4, 8, then columns b likewise; level (a, b) holds
+    CM * CN / (a b) codes, so the levels before it hold 15 (16 - 16 / a) + 128 / a - 128 / (a b)
+    units, and all of them 225."""
+    a: tl.constexpr = BLOCK_M // MAP_CELL
+    b: tl.constexpr = BLOCK_N // MAP_CELL
+    return 15 * (16 - 16 // a) + 128 // a - 128 // (a * b)
+
+
+@triton.jit
+def _map_codes(Map_bh, stride_map_m, map_unit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(codes, row stride) of the (BLOCK_M, BLOCK_N) tiles in the tile map at Map_bh (one
+    batch and head; stride_map_m and map_unit as the kernels take them, stride_map_m 0 where
+    the mask's rows broadcast): the code of the tile at (start_m, start_n) is at
+    codes + start_m // BLOCK_M * row stride + start_n // BLOCK_N."""
+    b: tl.constexpr = BLOCK_N // MAP_CELL
+    return Map_bh + map_unit * _map_level(BLOCK_M, BLOCK_N), stride_map_m // b
+
+
+@triton.jit
+def _map_row(Map_bh, stride_map_m, map_unit, start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The codes of the query tile at start_m against key tiles 0, 1, ... (_map_codes)."""
+    codes, row_stride = _map_codes(Map_bh, stride_map_m, map_unit, BLOCK_M, BLOCK_N)
+    return codes + start_m // BLOCK_M * row_stride
+
+
+@triton.jit
+def _tile_dense(Code, MASK_KIND: tl.constexpr):
+    """Whether the tile whose code is at Code must read its mask (else every element may
+    attend with mask value 0: _apply_dense_mask loads nothing). Without a dense mask, a
+    constant that folds away."""
+    if MASK_KIND == 0:
+        dense = tl.full((), 0, tl.int1)
+    else:
+        dense = (tl.load(Code) & MAP_DENSE) != 0
+    return dense
+
+
+@triton.jit
+def _live_span(codes, step, lo, hi, span):
+    """span = (first, end) widened to the live codes among codes[i * step], i in [lo, hi):
+    tiles outside [first, end) of every span a loop merges are skipped, nothing loaded."""
+    first, end = span
+    for i in range(lo, hi):
+        live = (tl.load(codes + i * step) & MAP_LIVE) != 0
+        first = tl.where(live, tl.minimum(first, i), first)
+        end = tl.where(live, tl.maximum(end, i + 1), end)
+    return first, end
+
+
+@triton.jit
+def _key_loops(mask, full_end, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
+    """(0, full_end, full_end, hi): the key tiles of a query tile's two loops (_query_block_keys),
+    narrowed with a dense mask to its first and last live tile (mask as _attention_fwd_inner's)."""
+    lo1 = 0
+    hi1 = full_end
+    lo2 = full_end
+    hi2 = hi
+    if MASK_KIND != 0:
+        tiles = tl.cdiv(hi, BLOCK_N)
+        first, end = _live_span(mask[3], 1, 0, tiles, (tiles, 0))
+        lo1 = first * BLOCK_N
+        hi1 = tl.minimum(full_end, end * BLOCK_N)
+        lo2 = tl.maximum(full_end, lo1)
+        hi2 = tl.minimum(hi, end * BLOCK_N)
+    return lo1, hi1, lo2, hi2
+
+
+@triton.jit
+def _attention_tile_map_kernel(
+    TileMap,  # (Bm, Hm, 225 * unit) int8 codes of every level (_map_level), contiguous, written
+    Mask,  # the dense mask (uint8 bool or float), read through strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    Hm, Lq, Lk, CN, unit,  # CN: cells per row at the MAP_CELL level; unit: CM * CN / 64
+    MASK_KIND: tl.constexpr,
+):
+    """The codes of one MAP_TILE x MAP_TILE block at every level: LIVE where an element is
+    True (bool) or any element (float: a -inf score is still computed, so that a NaN one
+    stays NaN), DENSE where an element is False (bool) or not 0 (float). Elements past Lq or
+    Lk count for neither."""
+    CELLS: tl.constexpr = MAP_TILE // MAP_CELL
+    block_m = tl.program_id(0)
+    block_n = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    r = tl.arange(0, MAP_TILE)
+    rows = block_m * MAP_TILE + r[:, None]
+    cols = block_n * MAP_TILE + r[None, :]
+    ok = (rows < Lq) & (cols < Lk)
+    x = tl.load(Mask + (bh // Hm) * stride_mask_b + (bh % Hm) * stride_mask_h + rows.to(tl.int64) * stride_mask_m
+                + cols.to(tl.int64) * stride_mask_n, mask=ok, other=0)
+    if MASK_KIND == 1:
+        live = ok & (x != 0)
+        dense = ok & (x == 0)
+    else:
+        live = ok
+        dense = ok & (x != 0)  # NaN included
+    # per MAP_CELL cell, then OR-pooled to each level
+    live = tl.max(tl.max(tl.reshape(live.to(tl.int32), (CELLS, MAP_CELL, CELLS, MAP_CELL)), 3), 1)
+    dense = tl.max(tl.max(tl.reshape(dense.to(tl.int32), (CELLS, MAP_CELL, CELLS, MAP_CELL)), 3), 1)
+    Map_bh = TileMap + bh * 225 * unit
+    for ai in tl.static_range(4):
+        for bi in tl.static_range(4):
+            _store_map_level(Map_bh, live, dense, block_m, block_n, CN, unit, 1 << ai, 1 << bi, CELLS)
+
+
+@triton.jit
+def _store_map_level(Map_bh, live, dense, block_m, block_n, CN, unit, a: tl.constexpr, b: tl.constexpr,
+                     CELLS: tl.constexpr):
+    """The codes of a block's (a MAP_CELL, b MAP_CELL) tiles, OR-pooled from its cells' live
+    and dense bits (CELLS x CELLS), stored at their level (_map_level)."""
+    code = tl.max(tl.max(tl.reshape(live, (CELLS // a, a, CELLS // b, b)), 3), 1) * MAP_LIVE \
+        + tl.max(tl.max(tl.reshape(dense, (CELLS // a, a, CELLS // b, b)), 3), 1) * MAP_DENSE
+    tr = tl.arange(0, CELLS // a)
+    tc = tl.arange(0, CELLS // b)
+    tl.store(Map_bh + unit * _map_level(a * MAP_CELL, b * MAP_CELL)
+             + (block_m * (CELLS // a) + tr[:, None]) * (CN // b) + block_n * (CELLS // b) + tc[None, :],
+             code.to(tl.int8))
+
+
+@triton.jit
 def _masked_scores(
     q, k,  # (BLOCK_M, BLOCK_D) query tile, (BLOCK_N, BLOCK_D) key tile
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     key_tile,  # (start_n64, cols, col_ok): the key tile's first key, its keys (BLOCK_N,), keys < kv_len
-    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n, ...): as _attention_fwd_inner's
+    dense,  # whether this tile's mask must be read (_tile_dense)
     causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -240,7 +388,7 @@ def _masked_scores(
     """
     offs_m, row_ok, _ = tile
     start_n64, cols, col_ok = key_tile
-    Mask_rows, stride_mask_m, stride_mask_n = mask
+    Mask_rows, stride_mask_m, stride_mask_n = mask[0], mask[1], mask[2]
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
@@ -251,10 +399,11 @@ def _masked_scores(
     if MASK_KIND != 0:
         mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
             + offs_n[None, :] * stride_mask_n
+        rows_read = tl.where(dense, row_ok, False)  # nothing on a tile that is not dense
         if ELEMENT_MASKED:
-            s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            s = _apply_dense_mask(s, mask_ptrs, rows_read[:, None] & col_ok[None, :], dense, MASK_KIND)
         else:
-            s = _apply_dense_mask(s, mask_ptrs, row_ok[:, None], MASK_KIND)
+            s = _apply_dense_mask(s, mask_ptrs, rows_read[:, None], dense, MASK_KIND)
     if ELEMENT_MASKED:
         allowed = col_ok[None, :]
         if IS_CAUSAL:
@@ -282,7 +431,7 @@ def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M
 
 @triton.jit
 def _key_tile_scores(
-    q, tile, keys, mask,  # as _attention_fwd_inner's
+    q, tile, keys, mask, dense,  # as _attention_fwd_inner's; dense as _masked_scores's
     start_n, kv_len, causal_offset, qk_scale,  # the key tile's first key; keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
@@ -300,7 +449,7 @@ def _key_tile_scores(
     k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
                    col_ok, d_ok, ELEMENT_MASKED, MASK_D)
     key_tile = (start_n64, cols, col_ok)
-    s = _masked_scores(q, k, tile, key_tile, mask, causal_offset, qk_scale, BLOCK_M, BLOCK_N, MASK_KIND,
+    s = _masked_scores(q, k, tile, key_tile, mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N, MASK_KIND,
                        IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE)
     return s, key_tile
 
@@ -344,7 +493,8 @@ def _attention_fwd_inner(
     q,  # (BLOCK_M, BLOCK_D) query tile
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
-    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n, Codes_row): the dense mask at (batch, head,
+    #        tile row 0, key 0), the tile map's codes of (batch, head, this query tile, key tile 0)
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
@@ -362,9 +512,10 @@ def _attention_fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
+        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
         s, key_tile = _key_tile_scores(
-            q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
-            MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
+            q, tile, keys, mask, dense, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
+            MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
         )
         start_n64, cols, col_ok = key_tile
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
@@ -386,12 +537,14 @@ def _attention_fwd_kernel(
     Out,  # (B, H, Lq, D) output, written
     Lse,  # (B, H, Lq) fp32 log-sum-exp (natural log), contiguous, written
     Mask,  # (B, H, Lq, Lk) dense mask (uint8 bool or float) read through strides, or unused
+    TileMap,  # the mask's int8 tile map (module docstring) read through strides, or unused
     KeyLengths,  # (B,) int32 key lengths, or unused
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
     stride_o_b, stride_o_h, stride_o_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on broadcast dims
+    stride_map_b, stride_map_h, stride_map_m, map_unit,  # the tile map's, 0 where the mask's are
     H, GROUP,  # query heads, query heads per kv head
     Lq, Lk, causal_offset,  # query i may attend key j <= i + causal_offset when IS_CAUSAL
     scale, dropout_p, dropout_threshold, seed,
@@ -423,6 +576,8 @@ def _attention_fwd_kernel(
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
     V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
     Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
+    codes_row = _map_row(TileMap + off_b * stride_map_b + off_h * stride_map_h, stride_map_m, map_unit, start_m,
+                         BLOCK_M, BLOCK_N)
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -432,17 +587,18 @@ def _attention_fwd_kernel(
     tile = (offs_m, row_ok, d_ok)
     keys = (K_head, stride_k_n)
     values = (V_head, stride_v_n)
-    mask = (Mask_rows, stride_mask_m, stride_mask_n)
+    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dropout = (dropout_p, dropout_threshold, seed)
+    lo1, hi1, lo2, hi2 = _key_loops(mask, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
-        0, full_end, kv_len, causal_offset, qk_scale,
+        lo1, hi1, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
         FOLD_SCALE,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
-        full_end, hi, kv_len, causal_offset, qk_scale,
+        lo2, hi2, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
         FOLD_SCALE,
     )
@@ -514,10 +670,12 @@ def _attention_row_stats(
     forward's statistics, from the same _masked_scores the forward and the dQ kernel use."""
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    no_lo, no_hi, lo, hi = _key_loops(mask, 0, hi, BLOCK_M, BLOCK_N, MASK_KIND)  # one loop: [lo, hi)
+    for start_n in range(lo, hi, BLOCK_N):
+        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
         s, _ = _key_tile_scores(
-            q, tile, keys, mask, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D,
-            MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
+            q, tile, keys, mask, dense, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
+            MASK_D, MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
         )
         _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i, qk_scale, False)
     return l_i, m_i
@@ -529,12 +687,14 @@ def _attention_bwd_exact_rows_kernel(
     K,  # (B, Hkv, Lk, D) keys, stride(-1) == 1
     Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    TileMap,  # its tile map read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
     DOr,  # (B, H, Lq, D) contiguous: the preprocess kernel's dO, scaled in place on rows of huge scores
     Hi, Delta,  # (B, H, Lq) fp32, contiguous: the preprocess kernel's, rewritten on those rows
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -562,7 +722,9 @@ def _attention_bwd_exact_rows_kernel(
                        + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
         keys = (K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h, stride_k_n)
         mask = (Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
-                stride_mask_m, stride_mask_n)
+                stride_mask_m, stride_mask_n,
+                _map_row(TileMap + off_b * stride_map_b + off_h * stride_map_h, stride_map_m, map_unit, start_m,
+                         BLOCK_M, BLOCK_N))
         l_x, m_x = _attention_row_stats(
             q, (offs_m, row_ok, d_ok), keys, mask, key_end, kv_len, causal_offset, scale * LOG2E,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
@@ -583,7 +745,9 @@ def _attention_bwd_dkdv_inner(
     k, v,  # (BLOCK_N, BLOCK_D) key/value tile
     tile,  # (start_n, cols, col_ok, d_ok): first key, key columns (BLOCK_N,), columns < kv_len, lanes < HEAD_DIM
     queries, grads,  # (Q_b, stride_q_h, stride_q_m), (DO_b, stride_do_h, stride_do_m): this batch at (head 0, row 0)
-    mask,  # (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n): at (batch, head 0, row 0, first key of the tile)
+    mask,  # (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride): the
+    #        dense mask at (batch, head 0, row 0, first key of the tile); the code of the tile map's
+    #        (batch, head 0, query tile 0, this key tile), its head and query tile strides (_map_codes)
     stats,  # (Hi_b, Delta_b): this batch's (H, Lq) hi and r delta (see the module docstring)
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b,  # batch (the dropout mask's counter)
@@ -600,7 +764,7 @@ def _attention_bwd_dkdv_inner(
     start_n, cols, col_ok, d_ok = tile
     Q_b, stride_q_h, stride_q_m = queries
     DO_b, stride_do_h, stride_do_m = grads
-    Mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
+    Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride = mask
     Hi_b, Delta_b = stats
     dropout_p, dropout_threshold, seed = dropout
     head0, GROUP = heads
@@ -616,6 +780,7 @@ def _attention_bwd_dkdv_inner(
         g = t // num_tiles
         start_m = lo + (t - g * num_tiles) * BLOCK_M
         off_h = head0 + g
+        dense = _tile_dense(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)
         start_m64 = tl.cast(start_m, tl.int64)
         rows = start_m + rows_local
         row_ok = rows < Lq
@@ -632,10 +797,11 @@ def _attention_bwd_dkdv_inner(
         if MASK_KIND != 0:
             mask_ptrs = Mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m \
                 + cols_local[:, None] * stride_mask_n + rows_local[None, :] * stride_mask_m
+            rows_read = tl.where(dense, row_ok, False)  # nothing on a tile that is not dense
             if ELEMENT_MASKED:
-                s_t = _apply_dense_mask(s_t, mask_ptrs, col_ok[:, None] & row_ok[None, :], MASK_KIND)
+                s_t = _apply_dense_mask(s_t, mask_ptrs, col_ok[:, None] & rows_read[None, :], dense, MASK_KIND)
             else:
-                s_t = _apply_dense_mask(s_t, mask_ptrs, row_ok[None, :], MASK_KIND)
+                s_t = _apply_dense_mask(s_t, mask_ptrs, rows_read[None, :], dense, MASK_KIND)
         if ELEMENT_MASKED:
             allowed = col_ok[:, None]
             if IS_CAUSAL:
@@ -669,6 +835,7 @@ def _attention_bwd_dkdv_kernel(
     Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DK, DV,  # (B, Hkv, Lk, D) gradients, written (summed over the kv group's query heads)
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    TileMap,  # its tile map read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
@@ -677,6 +844,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dk_b, stride_dk_h, stride_dk_n,
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
@@ -718,6 +886,15 @@ def _attention_bwd_dkdv_kernel(
     split = tl.where(start_n + BLOCK_N > kv_len, end, split)
     lo = tl.where(start_n >= kv_len, end, lo)
     lo = tl.minimum(lo, end)
+    codes, row_stride = _map_codes(TileMap + off_b * stride_map_b, stride_map_m, map_unit, BLOCK_M, BLOCK_N)
+    Codes_col = codes + start_n // BLOCK_N
+    if MASK_KIND != 0:  # narrowed to the first and last live query tile of any head of the group
+        span = (end // BLOCK_M, lo // BLOCK_M)
+        for g in range(0, GROUP):
+            span = _live_span(Codes_col + (off_hkv * GROUP + g) * stride_map_h, row_stride, lo // BLOCK_M,
+                              end // BLOCK_M, span)
+        lo = tl.maximum(lo, span[0] * BLOCK_M)
+        end = tl.maximum(tl.minimum(end, span[1] * BLOCK_M), lo)
     split = tl.minimum(tl.maximum(split, lo), end)
     qk_scale = scale * LOG2E
 
@@ -730,7 +907,7 @@ def _attention_bwd_dkdv_kernel(
     tile = (start_n, cols, col_ok, d_ok)
     queries = (Q_b, stride_q_h, stride_q_m)
     grads = (DO_b, stride_do_h, stride_do_m)
-    mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n)
+    mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride)
     dropout = (dropout_p, dropout_threshold, seed)
     dk, dv = _attention_bwd_dkdv_inner(
         (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
@@ -763,7 +940,7 @@ def _attention_bwd_dq_inner(
     query_rows,  # (q, do, row_hi, delta): query tile, its output gradient, hi and delta rows
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
-    mask,  # (Mask_rows, stride_mask_m, stride_mask_n): the dense mask at (batch, head, tile row 0, key 0)
+    mask,  # as _attention_fwd_inner's
     dmask,  # (DMask_rows, Lk): its gradient at the same place, contiguous rows of Lk keys
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b, off_h,  # batch and head (the dropout mask's counter)
@@ -783,6 +960,7 @@ def _attention_bwd_dq_inner(
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
+        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
         # v is loaded before the scores are computed: computing them first, through
         # _key_tile_scores, made several shipped builds spill (compile-check)
         start_n64 = tl.cast(start_n, tl.int64)
@@ -792,8 +970,8 @@ def _attention_bwd_dq_inner(
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                        col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
-                           MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+        s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
+                           BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
@@ -817,6 +995,7 @@ def _attention_bwd_dq_kernel(
     DQ,  # (B, H, Lq, D) gradient, written
     DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
+    TileMap,  # its tile map read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
@@ -824,6 +1003,7 @@ def _attention_bwd_dq_kernel(
     stride_do_b, stride_do_h, stride_do_m,
     stride_dq_b, stride_dq_h, stride_dq_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
@@ -858,6 +1038,8 @@ def _attention_bwd_dq_kernel(
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
     V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
     Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
+    codes_row = _map_row(TileMap + off_b * stride_map_b + off_h * stride_map_h, stride_map_m, map_unit, start_m,
+                         BLOCK_M, BLOCK_N)
     DMask_rows = DMask + (row_base + start_m64) * Lk
     qk_scale = scale * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -866,18 +1048,19 @@ def _attention_bwd_dq_kernel(
     tile = (offs_m, row_ok, d_ok)
     keys = (K_head, stride_k_n)
     values = (V_head, stride_v_n)
-    mask = (Mask_rows, stride_mask_m, stride_mask_n)
+    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed)
+    lo1, hi1, lo2, hi2 = _key_loops(mask, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
-        0, full_end, kv_len, causal_offset, qk_scale,
+        lo1, hi1, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
         DOT_FP32, INPUT_PRECISION,
     )
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
-        full_end, hi, kv_len, causal_offset, qk_scale,
+        lo2, hi2, kv_len, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
         DOT_FP32, INPUT_PRECISION,
     )
@@ -924,6 +1107,7 @@ _FRESH = {
     _attention_bwd_dkdv_kernel: ("DK", "DV"),
     _attention_bwd_dq_kernel: ("DQ", "DMask"),
     _attention_dropout_mask_kernel: ("Keep",),
+    _attention_tile_map_kernel: ("TileMap",),
 }
 
 
@@ -1057,6 +1241,99 @@ def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
     return attn_mask, MASK_FLOAT, attn_mask.stride()
 
 
+# --------------------------------------------------------------------------------------
+# Dense-mask tile maps
+# --------------------------------------------------------------------------------------
+_TILE_MAP_CONFIG = TILE_MAP_CONFIG
+_NO_MAP = (0, 0, 0, 0)  # map strides and unit without a dense mask
+
+
+def _map_geometry(mask_kind: int, mstride: tuple, B: int, H: int, Lq: int, Lk: int):
+    """The tile map of a dense mask with broadcast strides ``mstride`` at (B, H, Lq, Lk):
+    (mask kind, mstride, (Bm, Hm, CM, CN), (stride_b, stride_h, stride_m, unit)); CM x CN
+    cells at the MAP_CELL level, unit = CM CN / 64, each (batch, head) 225 units of codes
+    (_map_level). Dims the mask broadcasts over (stride 0) have one entry with stride 0, the
+    batch, head and query ones, so that a key-padding mask (B, 1, 1, Lk) maps one block row."""
+    Bm, Hm = (B if mstride[0] else 1), (H if mstride[1] else 1)
+    tile, cells = MAP_TILE.value, MAP_TILE.value // MAP_CELL.value
+    CM = cdiv(Lq, tile) * cells if mstride[2] else cells
+    CN = cdiv(Lk, tile) * cells
+    unit = CM * CN // 64
+    strides = (Hm * 225 * unit if mstride[0] else 0, 225 * unit if mstride[1] else 0, CN if mstride[2] else 0, unit)
+    return mask_kind, mstride, (Bm, Hm, CM, CN), strides
+
+
+def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
+    """The int8 tile map of ``mask`` (the kernels' operand), built on mask's device."""
+    kind, mstride, (Bm, Hm, CM, CN), (_, _, _, unit) = geometry
+    tile_map = torch.empty((Bm, Hm, 225 * unit), dtype=torch.int8, device=mask.device)
+    cells = MAP_TILE.value // MAP_CELL.value
+    with on_device(mask):
+        _run(_attention_tile_map_kernel, _TILE_MAP_CONFIG, lambda meta: (CM // cells, CN // cells, Bm * Hm),
+             (tile_map, mask, *mstride, Hm, Lq, Lk, CN, unit), _tile_map_spec(kind))
+    return tile_map
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_map_spec(kind: int) -> Spec:
+    return Spec(dict(MASK_KIND=kind))
+
+
+# One map per dense mask, reused while the mask is the same tensor object, unchanged (its
+# version counter) and read at the same geometry: every layer of a model that shares a mask,
+# and the backward, read the map its first use built. Entries leave with their mask.
+_TILE_MAPS: dict = {}
+_TILE_MAPS_MAX = 64
+
+
+def _forget_tile_map(key: int, ref) -> None:
+    entry = _TILE_MAPS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _TILE_MAPS[key]
+
+
+def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
+    """The tile map of ``attn_mask`` (the caller's tensor; ``mask`` is the kernels' view of
+    it) at ``geometry`` (_map_geometry), built on first use and cached with the mask. Inference
+    tensors (no version counter) and CUDA graph captures (whose replays must rebuild it)
+    build it on every call."""
+    key = id(attn_mask)
+    try:
+        version = attn_mask._version
+    except RuntimeError:  # an inference tensor: in-place changes cannot be seen
+        version = None
+    entry = _TILE_MAPS.get(key)
+    if entry is not None and entry[0]() is attn_mask and entry[1] == version and entry[2] == geometry \
+            and version is not None:
+        return entry[3]
+    built = _build_tile_map(mask, geometry, Lq, Lk)
+    if version is not None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_TILE_MAPS) >= _TILE_MAPS_MAX:
+            del _TILE_MAPS[next(iter(_TILE_MAPS))]
+        _TILE_MAPS[key] = (weakref.ref(attn_mask, functools.partial(_forget_tile_map, key)), version, geometry,
+                           built)
+    return built
+
+
+def attention_tile_map(attn_mask: torch.Tensor, shape: tuple, tile: tuple = (16, 16)) -> torch.Tensor:
+    """Backend interface (tests, debugging): the codes the kernels read for (BLOCK_M, BLOCK_N)
+    = ``tile`` tiles of a dense mask broadcast to ``shape`` = (B, H, Lq, Lk), an int8 (B or 1,
+    H or 1, tile rows, tile columns) tensor of MAP_LIVE | MAP_DENSE codes (one tile row where
+    the mask's rows broadcast), padded with 0 to whole MAP_TILE blocks; built and cached as
+    the kernels build and cache it."""
+    B, H, Lq, Lk = shape
+    full = attn_mask.expand(B, H, Lq, Lk)
+    operand, kind, mstride = _mask_operand(full, full)
+    geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
+    with on_device(full):
+        codes = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    _, _, (Bm, Hm, CM, CN), (_, _, stride_m, unit) = geometry
+    a, b = tile[0] // MAP_CELL.value, tile[1] // MAP_CELL.value
+    start = unit * (15 * (16 - 16 // a) + 128 // a - 128 // (a * b))
+    rows, cols = (CM // a if stride_m else 1), CN // b
+    return codes[:, :, start:start + CM // a * cols].view(Bm, Hm, CM // a, cols)[:, :, :rows]
+
+
 def _lengths_operand(key_lengths: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The kernels read key_lengths[b] at offset b: contiguous int32 (q as a placeholder when absent)."""
     if key_lengths is None:
@@ -1128,8 +1405,11 @@ def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dro
             int_class(Lk), _bucket(Lk), int_class(causal_offset), scale > 0, _call_flags(q, dropout_p, seed))
 
 
-def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
-    """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
+def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                  mask_owner=None):
+    """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows).
+    ``mask_owner``: the tensor attn_mask is a view of, which its tile map is cached with
+    (default attn_mask itself)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
     key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
     site = _FWD_SITES.get(key)
@@ -1143,15 +1423,19 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         _check_dtype(q)
         # the integers the key fixes: strides, sizes, dropout threshold, tuning buckets
         Hkv = k.shape[1]
-        mstride = _mask_operand(attn_mask, q)[2]
-        ints = (*k.stride()[:3], *v.stride()[:3], H * Lq * D, Lq * D, D, *mstride, H, H // Hkv, Lq)
+        _, kind, mstride = _mask_operand(attn_mask, q)
+        geometry = None if attn_mask is None else _map_geometry(kind, mstride, B, H, Lq, Lk)
+        ints = (*k.stride()[:3], *v.stride()[:3], H * Lq * D, Lq * D, D, *mstride,
+                *(_NO_MAP if geometry is None else geometry[3]), H, H // Hkv, Lq)
         tail = (dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
-        launch, ints, tail = site
+        launch, ints, tail, geometry = site
         if dropout_p > 0.0:
             tail = (tail[0], int(seed), tail[2], tail[3])
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    args = (q, k, v, out, lse, mask, q if key_lengths is None else _lengths_operand(key_lengths, q),
+    tmap = q if attn_mask is None else tile_map(attn_mask if mask_owner is None else mask_owner, mask, geometry,
+                                                Lq, Lk)
+    args = (q, k, v, out, lse, mask, tmap, q if key_lengths is None else _lengths_operand(key_lengths, q),
             *q_strides[:3], *ints, Lk, causal_offset, float(scale), float(dropout_p), *tail)
     with on_device(q):
         if site is not None:
@@ -1164,7 +1448,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             spec = _spec_with(spec, FOLD_SCALE=scale > 0 and c["MASK_KIND"] == MASK_NONE and not c["HAS_DROPOUT"])
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                              args, spec)
-            remember(_FWD_SITES, key, (launch, ints, tail))
+            remember(_FWD_SITES, key, (launch, ints, tail, geometry))
     return out, lse
 
 
@@ -1179,10 +1463,11 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
 
 
 def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                   dropout_p, scale, seed, mask_grad):
+                   dropout_p, scale, seed, mask_grad, mask_owner=None):
     """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
     every argument but the tensors' addresses, the seed and (on a site's first call, which
-    reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites")."""
+    reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites").
+    ``mask_owner`` as attention_fwd's."""
     site = sites.get(key)
     if site is None:
         _check_dtype(q)
@@ -1198,7 +1483,9 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
         contiguous = (H * Lq * D, Lq * D, D)
         qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-        mstride = _mask_operand(attn_mask, q)[2]
+        _, kind, mstride = _mask_operand(attn_mask, q)
+        geometry = None if attn_mask is None else _map_geometry(kind, mstride, B, H, Lq, Lk)
+        mstride = (*mstride, *(_NO_MAP if geometry is None else geometry[3]))  # with the map's
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
         ints = ((*out.stride()[:3], *dout.stride()[:3], H, Lq),
@@ -1207,7 +1494,7 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
                 (*qs, *ks, *vs, *contiguous, *contiguous, *mstride, *sizes))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
-        launches, ints, tail, like = site
+        launches, ints, tail, like, geometry = site
         if dropout_p > 0.0:
             tail = (*tail[:2], int(seed), *tail[3:])
     q_like, k_like, v_like, row_like, dout_like, mask_like = like
@@ -1215,15 +1502,17 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
     # tiles a program skips (above the diagonal, past a key length) are never written: zeros
     dmask = torch.zeros_like(mask_like) if mask_grad else None
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    tmap = q if attn_mask is None else tile_map(attn_mask if mask_owner is None else mask_owner, mask, geometry,
+                                                q.shape[2], k.shape[2])
     kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
     # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
     hi, delta, dout_r = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like)
     scale = float(scale)
     args = (
         (out, dout, lse, dout_r, hi, delta, *ints[0]),
-        (q, k, lse, mask, kl, dout_r, hi, delta, *ints[1], scale),
-        (q, k, v, dout_r, hi, delta, dk, dv, mask, kl, *ints[2], scale, *tail),
-        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, kl, *ints[3], scale, *tail),
+        (q, k, lse, mask, tmap, kl, dout_r, hi, delta, *ints[1], scale),
+        (q, k, v, dout_r, hi, delta, dk, dv, mask, tmap, kl, *ints[2], scale, *tail),
+        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[3], scale, *tail),
     )
     with on_device(q):
         if site is not None:
@@ -1236,7 +1525,7 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
             dq_launch(args[3])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
-            remember(sites, key, (launches, ints, tail, like))
+            remember(sites, key, (launches, ints, tail, like, geometry))
     return dq, dk, dv, dmask
 
 
@@ -1308,7 +1597,7 @@ class AttentionSite:
         self.bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         self.q_contiguous = q.is_contiguous()
         self.lse_like = expansion(torch.float32, q.device, (B, H, Lq))
-        self.kernel = None  # the forward's (launch, ints, tail), from its first call
+        self.kernel = None  # the forward's (launch, ints, tail, map geometry), from its first call
         self.q_strides = q.stride()[:3]
         self.bwd_sites: dict = {}  # backward launches by the output gradient's layout, Lk and offset
 
@@ -1330,15 +1619,16 @@ class AttentionSite:
         kernel = self.kernel
         if kernel is None:
             return self._first(q, k, v, attn_mask, key_lengths, causal_offset, scale)
-        launch, ints, tail = kernel
+        launch, ints, tail, geometry = kernel
         Lk = k.shape[2]
         out = _empty_like(q) if self.q_contiguous else _empty_like(q, memory_format=_CONTIGUOUS)
         lse = _empty_like(self.lse_like)
         # the mask as it is: the strides of its broadcast are among ints
         mask = q if attn_mask is None else attn_mask.view(torch.uint8) if self.bool_mask else attn_mask
+        tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, self.Lq, Lk)
         kl = q if key_lengths is None else (key_lengths if key_lengths.dtype == torch.int32
                                              and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
-        args = (q, k, v, out, lse, mask, kl, *self.q_strides, *ints, Lk, max(-self.Lq, min(causal_offset, Lk)),
+        args = (q, k, v, out, lse, mask, tmap, kl, *self.q_strides, *ints, Lk, max(-self.Lq, min(causal_offset, Lk)),
                 self.scale if scale is None else scale, 0.0, *tail)
         with on_device(q):
             launch(args)
@@ -1348,7 +1638,7 @@ class AttentionSite:
         Lk = k.shape[2]
         offset, scale = self.offset(causal_offset, Lk), self.scale if scale is None else scale
         mask, kl = self.mask(attn_mask, Lk), self.lengths(key_lengths)
-        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0)
+        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0, attn_mask)
         # the kernel site just made (absent where attention_fwd keeps none): later calls
         # launch it; its key holds the same classes of Lk and the offset as this site's
         self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0))
@@ -1366,7 +1656,7 @@ class AttentionSite:
         mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask, Lk)
         dq, dk, dv, _ = _attention_bwd(key, self.bwd_sites, dout, q, k, v, out, lse, mask, self.lengths(key_lengths),
                                        self.is_causal, offset, 0.0, self.scale if scale is None else scale, 0,
-                                       False)
+                                       False, attn_mask)
         return dq, dk, dv
 
 
@@ -1419,5 +1709,5 @@ def compile_targets() -> list[dict]:
     return _attention_targets.compile_targets(
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
         preprocess=_attention_bwd_preprocess_kernel, exact_rows=_attention_bwd_exact_rows_kernel,
-        dropout_mask=_attention_dropout_mask_kernel,
+        dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
     )

@@ -1,0 +1,239 @@
+"""The dense-mask tile map of the Triton attention kernels (kernels/attention.py).
+
+A bool or float mask is classified once, for every tile shape the kernels use (live: some
+element may attend; dense: the mask must be read); each key loop runs from its first to its
+last live tile and reads no mask on tiles that are not dense. The map is cached with the mask
+tensor, so the layers of a model that share a mask, and the backward, build it once.
+
+Through the interpreter (tests/conftest.py) the kernels' tiles span one or two cells of
+MAP_CELL, so the masks here are drawn cell by cell: wholly masked, wholly allowed, or mixed.
+"""
+
+import os
+
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import backends, reference
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
+if _why is not None and "not importable" in _why:
+    pytest.skip(f"triton backend: {_why}", allow_module_level=True)
+
+from fasttrans.kernels import attention as K  # noqa: E402  (after conftest chose the interpreter)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+        not _INTERPRETED, reason="Triton runs on CPU only through the interpreter (enabled when there is no CUDA)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+CELL = K.MAP_CELL.value if hasattr(K.MAP_CELL, "value") else K.MAP_CELL
+
+
+def cell_mask(shape, device, seed=0, kind="bool"):
+    """A mask whose MAP_CELL x MAP_CELL cells are each empty, full or mixed, at random: bool
+    (True = may attend) or float (0 / -inf, mixed cells with finite values too)."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, Lq, Lk = shape
+    cm, cn = -(-Lq // CELL), -(-Lk // CELL)
+    cls = torch.randint(0, 3, (*lead, cm, cn), generator=g)  # 0 empty, 1 full, 2 mixed
+    cls = cls.repeat_interleave(CELL, -2).repeat_interleave(CELL, -1)[..., :Lq, :Lk]
+    mixed = torch.rand(shape, generator=g) < 0.6
+    allowed = (cls == 1) | ((cls == 2) & mixed)
+    if kind == "bool":
+        return allowed.to(device)
+    values = torch.where(allowed, 0.0, float("-inf"))
+    values = torch.where((cls == 2) & mixed, torch.randn(shape, generator=g), values)  # finite, not 0
+    return values.to(device)
+
+
+def expected_map(mask, shape, tile):
+    """The codes of (tile) tiles by torch: per (b, h, tile row, tile column), LIVE | DENSE."""
+    B, H, Lq, Lk = shape
+    m = mask.expand(shape)
+    if m.dtype == torch.bool:
+        live, dense = m, ~m
+    else:
+        live, dense = torch.ones_like(m, dtype=torch.bool), m != 0
+    pad_m, pad_n = -(-Lq // K.MAP_TILE.value) * K.MAP_TILE.value, -(-Lk // K.MAP_TILE.value) * K.MAP_TILE.value
+    tm, tn = tile
+
+    def pooled(x):
+        x = torch.nn.functional.pad(x.to(torch.int32), (0, pad_n - Lk, 0, pad_m - Lq))
+        return x.view(B, H, pad_m // tm, tm, pad_n // tn, tn).amax((3, 5))
+
+    return (pooled(live) * K.MAP_LIVE.value + pooled(dense) * K.MAP_DENSE.value).to(torch.int8)
+
+
+def _run(q, k, v, kw, fn):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kw["attn_mask"] = mask = mask.detach().clone().requires_grad_()
+        leaves.append(mask)
+    out = fn(*leaves[:3], **kw)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out) + torch.arange(out.shape[-1], device=out.device))
+    return [out, *grads]
+
+
+def _triton(q, k, v, **kw):
+    with fasttrans.use_backend("triton"):
+        return fasttrans.attention(q, k, v, **kw)
+
+
+def _check(q, k, v, kw):
+    got = _run(q, k, v, kw, _triton)
+    want = _run(q.double(), k.double(), v.double(),
+                {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in kw.items()},
+                reference.attention)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), got, want):
+        torch.testing.assert_close(a, b.to(a.dtype), atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["full", "batch1", "heads1", "rows1", "2d", "strided"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_map_classifies_every_tile_of_every_shape(kind, layout, device):
+    B, H, Lq, Lk = 2, 3, 37, 150
+    shapes = {"full": (B, H, Lq, Lk), "batch1": (1, H, Lq, Lk), "heads1": (B, 1, Lq, Lk), "rows1": (B, 1, 1, Lk),
+              "2d": (Lq, Lk), "strided": (B, H, Lq, 2 * Lk)}
+    mask = cell_mask(shapes[layout], device, kind=kind)
+    if layout == "strided":
+        mask = mask[..., ::2]
+    for tile in [(16 << i, 16 << j) for i in range(4) for j in range(4)]:
+        got = K.attention_tile_map(mask, (B, H, Lq, Lk), tile)
+        want = expected_map(mask, (B, H, Lq, Lk), tile)
+        # broadcast dims hold one entry
+        assert got.shape[0] == (1 if layout in ("batch1", "2d") else B)
+        assert got.shape[1] == (1 if layout in ("heads1", "rows1", "2d") else H)
+        if layout == "rows1":  # one row of tiles for every query tile, padding rows included
+            assert got.shape[2] == 1
+            want = want[:, :, :1]
+        torch.testing.assert_close(got.expand(want.shape).cpu(), want.cpu(), atol=0, rtol=0,
+                                   msg=lambda m: f"tile {tile}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bool", "float", "bool+key_lengths+causal", "float+causal", "bool+gqa",
+                                  "rows1+causal_br"])
+def test_masks_with_empty_full_and_mixed_tiles_match_reference(kind, device):
+    B, H, Lq, Lk, D = 2, 4, 70, 90, 16
+    Hkv = 2 if "gqa" in kind else H
+    torch.manual_seed(1)
+    q = torch.randn(B, H, Lq, D, device=device)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=device) for _ in range(2))
+    shape = (B, 1, 1, Lk) if "rows1" in kind else (B, 1, Lq, Lk) if "bool" in kind else (H, Lq, Lk)
+    kw = {"attn_mask": cell_mask(shape, device, seed=2, kind="float" if "float" in kind else "bool")}
+    if "key_lengths" in kind:
+        kw["key_lengths"] = torch.tensor([Lk - 19, Lk], device=device)
+    if "causal" in kind:
+        kw["is_causal"] = True
+    if "causal_br" in kind:
+        kw["causal_offset"] = Lk - Lq
+    _check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_with_a_tile_map_matches_reference(device):
+    B, H, Lq, Lk, D, p = 1, 1, 32, 48, 16, 0.3
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, D, device=device) for L in (Lq, Lk, Lk))
+    mask = cell_mask((B, H, Lq, Lk), device, seed=4)
+    torch.manual_seed(7)
+    got = _triton(q, k, v, attn_mask=mask, dropout_p=p)
+    torch.manual_seed(7)
+    keep = fasttrans.functional.attention_dropout_mask(q, k, p)
+    want = reference.attention(q.double(), k.double(), v.double(), attn_mask=mask, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernels_follow_the_map(device, monkeypatch):
+    """Tiles outside the live span are skipped; "live, not dense" ones read no mask."""
+    B, H, Lq, Lk, D = 1, 2, 32, 48, 16
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, D, device=device) for L in (Lq, Lk, Lk))
+    mask = torch.rand(B, H, Lq, Lk, device=device) > 0.5
+    build = K._build_tile_map
+
+    def forced(code):
+        def fake(*args):
+            return torch.full_like(build(*args), code)
+        return fake
+
+    monkeypatch.setattr(K, "_TILE_MAPS", {})
+    monkeypatch.setattr(K, "_build_tile_map", forced(K.MAP_LIVE.value))  # every tile full: the mask unread
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _triton(*leaves, attn_mask=mask.clone())
+    torch.testing.assert_close(out, reference.attention(q, k, v))
+    grads = torch.autograd.grad(out.sum(), leaves)
+    want = torch.autograd.grad(reference.attention(*leaves).sum(), leaves)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
+    monkeypatch.setattr(K, "_build_tile_map", forced(0))  # nothing live: nothing attended
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _triton(*leaves, attn_mask=mask.clone())
+    assert (out == 0).all()
+    assert all((g == 0).all() for g in torch.autograd.grad(out.sum(), leaves))
+    monkeypatch.setattr(K, "_build_tile_map", build)
+    torch.testing.assert_close(_triton(q, k, v, attn_mask=mask.clone()), reference.attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_an_inf_value_outside_the_live_span_is_never_read(where, device):
+    """Key tiles before the first live one and after the last are skipped outright (their
+    values never loaded), where a mixed tile weighs a masked key's inf value by 0 (NaN, as the
+    reference's dense product)."""
+    Lq, Lk, D = CELL, 4 * CELL, 8
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 1, L, D, device=device) for L in (Lq, Lk, Lk))
+    mask = torch.ones(1, 1, Lq, Lk, dtype=torch.bool, device=device)
+    cols = slice(0, CELL) if where == "first" else slice(3 * CELL, 4 * CELL)
+    mask[..., cols] = False  # a whole key tile of the interpreter's, at one end
+    v[0, 0, cols.start + 1, 0] = float("inf")
+    assert torch.isfinite(_triton(q, k, v, attn_mask=mask)).all()
+    mask[0, 0, 0, cols.start + 5] = True  # now mixed: the masked inf key enters as 0 * inf
+    assert _triton(q, k, v, attn_mask=mask)[0, 0, :, 0].isnan().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_map_is_built_once_per_mask_and_follows_its_changes(device, monkeypatch):
+    B, H, Lq, Lk, D = 2, 2, 33, 40, 8
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(B, H, L, D, device=device, requires_grad=True) for L in (Lq, Lk, Lk))
+    builds = []
+    build = K._build_tile_map
+    monkeypatch.setattr(K, "_TILE_MAPS", {})
+    monkeypatch.setattr(K, "_build_tile_map", lambda *a: builds.append(a) or build(*a))
+    mask = cell_mask((B, 1, Lq, Lk), device, seed=9)
+    x = q
+    for _ in range(3):  # three layers sharing one mask, forward and backward
+        x = _triton(x, k, v, attn_mask=mask)
+    x.sum().backward()
+    assert len(builds) == 1, f"{len(builds)} builds for one mask"
+    # changed in place: the next call sees the new mask
+    mask[:, :, :, : Lk // 2] = ~mask[:, :, :, : Lk // 2]
+    with torch.no_grad():
+        out = _triton(q, k, v, attn_mask=mask)
+    assert len(builds) == 2
+    torch.testing.assert_close(out, reference.attention(q, k, v, attn_mask=mask))
+    # a new mask object, and one broadcast to another shape, get their own
+    with torch.no_grad():
+        _triton(q, k, v, attn_mask=mask.clone())
+        _triton(q[:1], k[:1], v[:1], attn_mask=mask[:1])
+    assert len(builds) == 4
+    # the entry leaves with its mask
+    del mask
+    assert not K._TILE_MAPS
+    # inference tensors carry no version counter: built on every call
+    with torch.inference_mode():
+        m = cell_mask((B, 1, Lq, Lk), device, seed=10)
+        for _ in range(2):
+            out = _triton(q, k, v, attn_mask=m)
+        torch.testing.assert_close(out, reference.attention(q, k, v, attn_mask=m))
+    assert len(builds) == 6
