@@ -67,8 +67,9 @@ changes the scores (bool False, float not 0). A query tile's key loop (a key til
 loop in dK/dV) runs from its first to its last LIVE tile only, so the tiles of padding, of a
 causal or a sliding-window mask written densely, are never loaded; a tile without DENSE
 loads no mask (its load is predicated off). Dims the mask broadcasts over have one entry.
-The map is cached with the mask tensor (tile_map): the layers of a model that share a mask,
-and the backward, reuse it while the tensor is the same object with the same version counter.
+The map is cached with the mask tensor, or the tensor it is a view of (tile_map): the layers
+of a model that share a mask, and the backward, reuse it while that tensor is the same object
+with the same version counter and the view the same address and geometry.
 
 The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
 one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
@@ -1293,25 +1294,26 @@ def _forget_tile_map(key: int, ref) -> None:
 
 
 def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
-    """The tile map of ``attn_mask`` (the caller's tensor; ``mask`` is the kernels' view of
-    it) at ``geometry`` (_map_geometry), built on first use and cached with the mask. Inference
-    tensors (no version counter) and CUDA graph captures (whose replays must rebuild it)
-    build it on every call."""
-    key = id(attn_mask)
+    """The tile map of ``attn_mask`` (``mask``: the kernels' view of it) at ``geometry``
+    (_map_geometry), built on first use and cached with the tensor attn_mask is a view of
+    (the per-call views of the layers above share it) at the same address and geometry.
+    Inference tensors (no version counter) and CUDA graph captures (whose replays must
+    rebuild it) build it on every call."""
+    owner = attn_mask._base if attn_mask._base is not None else attn_mask
+    key, where = id(owner), (geometry, mask.data_ptr())
     try:
-        version = attn_mask._version
+        version = owner._version
     except RuntimeError:  # an inference tensor: in-place changes cannot be seen
         version = None
     entry = _TILE_MAPS.get(key)
-    if entry is not None and entry[0]() is attn_mask and entry[1] == version and entry[2] == geometry \
+    if entry is not None and entry[0]() is owner and entry[1] == version and entry[2] == where \
             and version is not None:
         return entry[3]
     built = _build_tile_map(mask, geometry, Lq, Lk)
     if version is not None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         if len(_TILE_MAPS) >= _TILE_MAPS_MAX:
             del _TILE_MAPS[next(iter(_TILE_MAPS))]
-        _TILE_MAPS[key] = (weakref.ref(attn_mask, functools.partial(_forget_tile_map, key)), version, geometry,
-                           built)
+        _TILE_MAPS[key] = (weakref.ref(owner, functools.partial(_forget_tile_map, key)), version, where, built)
     return built
 
 
@@ -1405,11 +1407,8 @@ def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dro
             int_class(Lk), _bucket(Lk), int_class(causal_offset), scale > 0, _call_flags(q, dropout_p, seed))
 
 
-def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
-                  mask_owner=None):
-    """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows).
-    ``mask_owner``: the tensor attn_mask is a view of, which its tile map is cached with
-    (default attn_mask itself)."""
+def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+    """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
     key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
     site = _FWD_SITES.get(key)
@@ -1433,8 +1432,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         if dropout_p > 0.0:
             tail = (tail[0], int(seed), tail[2], tail[3])
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    tmap = q if attn_mask is None else tile_map(attn_mask if mask_owner is None else mask_owner, mask, geometry,
-                                                Lq, Lk)
+    tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, Lq, Lk)
     args = (q, k, v, out, lse, mask, tmap, q if key_lengths is None else _lengths_operand(key_lengths, q),
             *q_strides[:3], *ints, Lk, causal_offset, float(scale), float(dropout_p), *tail)
     with on_device(q):
@@ -1463,11 +1461,10 @@ def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, ca
 
 
 def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                   dropout_p, scale, seed, mask_grad, mask_owner=None):
+                   dropout_p, scale, seed, mask_grad):
     """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
     every argument but the tensors' addresses, the seed and (on a site's first call, which
-    reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites").
-    ``mask_owner`` as attention_fwd's."""
+    reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites")."""
     site = sites.get(key)
     if site is None:
         _check_dtype(q)
@@ -1502,8 +1499,7 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
     # tiles a program skips (above the diagonal, past a key length) are never written: zeros
     dmask = torch.zeros_like(mask_like) if mask_grad else None
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    tmap = q if attn_mask is None else tile_map(attn_mask if mask_owner is None else mask_owner, mask, geometry,
-                                                q.shape[2], k.shape[2])
+    tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, q.shape[2], k.shape[2])
     kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
     # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
     hi, delta, dout_r = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like)
@@ -1638,7 +1634,7 @@ class AttentionSite:
         Lk = k.shape[2]
         offset, scale = self.offset(causal_offset, Lk), self.scale if scale is None else scale
         mask, kl = self.mask(attn_mask, Lk), self.lengths(key_lengths)
-        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0, attn_mask)
+        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0)
         # the kernel site just made (absent where attention_fwd keeps none): later calls
         # launch it; its key holds the same classes of Lk and the offset as this site's
         self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0))
@@ -1656,7 +1652,7 @@ class AttentionSite:
         mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask, Lk)
         dq, dk, dv, _ = _attention_bwd(key, self.bwd_sites, dout, q, k, v, out, lse, mask, self.lengths(key_lengths),
                                        self.is_causal, offset, 0.0, self.scale if scale is None else scale, 0,
-                                       False, attn_mask)
+                                       False)
         return dq, dk, dv
 
 

@@ -237,3 +237,21 @@ def test_map_is_built_once_per_mask_and_follows_its_changes(device, monkeypatch)
             out = _triton(q, k, v, attn_mask=m)
         torch.testing.assert_close(out, reference.attention(q, k, v, attn_mask=m))
     assert len(builds) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stack_of_layers_given_one_mask_builds_one_map(device, monkeypatch):
+    """fasttrans.nn translates a torch.nn mask once per mask, so the layers of a stack (and
+    their backward) hand the kernels one tensor, whose tile map is built once."""
+    builds = []
+    build = K._build_tile_map
+    monkeypatch.setattr(K, "_TILE_MAPS", {})
+    monkeypatch.setattr(K, "_build_tile_map", lambda *a: builds.append(a) or build(*a))
+    torch.manual_seed(11)
+    layer = fasttrans.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    stack = fasttrans.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False).to(device)
+    blocked = cell_mask((40, 40), device, seed=12) & ~torch.eye(40, dtype=torch.bool, device=device)  # True = blocked
+    x = torch.randn(2, 40, 16, device=device, requires_grad=True)
+    with fasttrans.use_backend("triton"):
+        stack(x, mask=blocked).sum().backward()
+    assert len(builds) == 1, f"{len(builds)} builds for one mask"
