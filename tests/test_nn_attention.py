@@ -610,6 +610,24 @@ def test_translate_forms():
     assert not m.is_causal and m.attn_mask is not None
 
 
+def test_translation_is_shared_while_the_mask_is_unchanged():
+    """The layers of a stack given one mask get one op mask (and so one tile map in the
+    Triton kernels); an in-place change, another mask or a mask that requires grad get their own."""
+    bool_mask = torch.rand(L, S) < 0.5
+    scattered = torch.tensor([[False, True, False, False, False, False, True]] * N)
+    for attn_mask, kpm in ((bool_mask, None), (None, scattered), (torch.randn(N * H, L, S), None)):
+        first = _translate(attn_mask, kpm).attn_mask
+        assert _translate(attn_mask, kpm).attn_mask is first
+        assert _translate(attn_mask, kpm, extra_keys=1).attn_mask is not first  # another translation
+    assert _translate(bool_mask.clone()).attn_mask is not _translate(bool_mask).attn_mask
+    before = _translate(bool_mask).attn_mask
+    bool_mask[0, 0] = ~bool_mask[0, 0]
+    after = _translate(bool_mask).attn_mask
+    assert after is not before and torch.equal(after[0, 0], ~bool_mask)
+    with_grad = torch.randn(L, S, requires_grad=True)
+    assert _translate(with_grad).attn_mask is not _translate(with_grad).attn_mask
+
+
 def _torch_ops_answer(monkeypatch, fn, *args):
     """fn(*args) answered by the PyTorch ops, as in a process without the extension."""
     with monkeypatch.context() as m:

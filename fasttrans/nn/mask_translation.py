@@ -177,6 +177,21 @@ class TensorMemo:
 
 
 _causal_answers = TensorMemo()  # GPU masks: (L, S) -> whether the mask is causal
+# a torch.nn mask -> its op-contract dense mask, so that the layers of a stack given one mask
+# pass one tensor on (translated once; the Triton kernels' tile map is cached with it)
+_dense_masks = TensorMemo()
+
+
+def _dense_once(mask: Tensor, extra, make) -> Tensor:
+    """make(), the op mask of the torch.nn ``mask``, remembered with it under ``extra`` while
+    it lives unchanged; made afresh for a mask that requires grad (its graph is per call)."""
+    if mask.requires_grad:
+        return make()
+    dense = _dense_masks.get(mask, extra)
+    if dense is None:
+        dense = make()
+        _dense_masks.put(mask, extra, dense)
+    return dense
 
 
 def _compare_with_causal(mask: Tensor, L: int, S: int) -> bool:
@@ -295,9 +310,12 @@ def translate(
         if extra_keys == 0 and not compiling and not attn_mask.requires_grad and is_causal_mask(attn_mask, L, S):
             out.is_causal = True
         else:
-            # views whatever the strides: (1, 1, L, S) or (N, H, L, S)
-            m = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask.unflatten(0, (N, H))
-            dense = _pad_keys(~m if m.dtype == torch.bool else m, extra_keys)
+            def make(m=attn_mask):
+                # views whatever the strides: (1, 1, L, S) or (N, H, L, S)
+                m = m[None, None] if m.dim() == 2 else m.unflatten(0, (N, H))
+                return _pad_keys(~m if m.dtype == torch.bool else m, extra_keys)
+
+            dense = make() if compiling else _dense_once(attn_mask, ("attn_mask", N, H, extra_keys), make)
 
     if key_padding_mask is not None:
         kpm = key_padding_mask
@@ -307,8 +325,11 @@ def translate(
         if lengths is not None:
             out.key_lengths = lengths
         else:
-            k = (~kpm if kpm.dtype == torch.bool else kpm)[:, None, None, :]  # (N, 1, 1, S)
-            dense = _combine(dense, _pad_keys(k, extra_keys))
+            def make(kpm=kpm):  # (N, 1, 1, S)
+                return _pad_keys((~kpm if kpm.dtype == torch.bool else kpm)[:, None, None, :], extra_keys)
+
+            k = make() if compiling else _dense_once(kpm, ("key_padding_mask", extra_keys), make)
+            dense = _combine(dense, k)
 
     out.attn_mask = dense
     return out
