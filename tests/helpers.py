@@ -19,6 +19,24 @@ from hypothesis import HealthCheck, settings
 
 from fasttrans import backends, reference
 
+def skip_module_without_triton(op: str) -> None:
+    """Skip the calling test module when Triton cannot be imported for ``op``'s backend."""
+    why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", op)
+    if why is not None and "not importable" in why:
+        pytest.skip(f"triton backend: {why}", allow_module_level=True)
+
+
+# The devices a Triton kernel test runs on: the CPU through the interpreter (tests/conftest.py
+# switches it on where there is no CUDA), CUDA where there is a device.
+TRITON_DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton runs on CPU only through the interpreter (enabled when there is no CUDA)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+
 # Per-dtype floor added to the 2x rule: absolute error a correct kernel may always have.
 FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

@@ -9,27 +9,19 @@ Through the interpreter (tests/conftest.py) the kernels' tiles span one or two c
 MAP_CELL, so the masks here are drawn cell by cell: wholly masked, wholly allowed, or mixed.
 """
 
-import os
-
 import pytest
 import torch
 
 import fasttrans
-from fasttrans import backends, reference
+from fasttrans import reference
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
-if _why is not None and "not importable" in _why:
-    pytest.skip(f"triton backend: {_why}", allow_module_level=True)
+from helpers import TRITON_DEVICES, skip_module_without_triton
+
+skip_module_without_triton("attention")
 
 from fasttrans.kernels import attention as K  # noqa: E402  (after conftest chose the interpreter)
 
-DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        not _INTERPRETED, reason="Triton runs on CPU only through the interpreter (enabled when there is no CUDA)")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")]),
-]
+DEVICES = TRITON_DEVICES
 CELL = K.MAP_CELL.value if hasattr(K.MAP_CELL, "value") else K.MAP_CELL
 
 

@@ -11,7 +11,6 @@ rule (tests/helpers.assert_close_lowp) against the fp32 reference on upcast inpu
 same-precision baseline ``reference.attention(..., upcast=False)`` on the low-precision inputs.
 """
 
-import os
 import subprocess
 import sys
 
@@ -21,22 +20,14 @@ import torch
 import fasttrans
 from fasttrans import backends, functional, reference
 
-from helpers import (FLOOR, assert_close_lowp, attention_keep, huge_score_rows, make_bool_mask, make_float_mask,
-                     subnormal_weight_with_inf_value)
+from helpers import (FLOOR, TRITON_DEVICES, assert_close_lowp, attention_keep, huge_score_rows, make_bool_mask,
+                     make_float_mask, skip_module_without_triton, subnormal_weight_with_inf_value)
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_why = backends.BACKENDS["triton"].unavailable_reason("cuda" if torch.cuda.is_available() else "cpu", "attention")
-if _why is not None and "not importable" in _why:
-    pytest.skip(f"triton backend: {_why}", allow_module_level=True)
+skip_module_without_triton("attention")
 
 from fasttrans.kernels import attention as K  # noqa: E402  (after conftest chose the interpreter)
 
-DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        not _INTERPRETED, reason="Triton runs on CPU only through the interpreter (enabled when there is no CUDA)")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")]),
-]
+DEVICES = TRITON_DEVICES
 LOW = (torch.float16, torch.bfloat16)
 
 
