@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_EXACT_ROWS_CONFIGS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -170,9 +170,9 @@ FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run
 }
 del _BOTH
 # delta = rowsum(dO * O): one configuration per head-dim class, 8K elements per operand tile
-BWD_PREPROCESS_CONFIGS = {64: _cfg(128, None, 4, 1), 128: _cfg(64, None, 4, 1), 256: _cfg(32, None, 4, 1)}
-# the statistics of rows of huge scores (rare: a block without one only reads its lse); not tuned
-BWD_EXACT_ROWS_CONFIGS = {64: _cfg(32, 16, 4, 1), 128: _cfg(16, 16, 4, 1), 256: _cfg(16, 16, 4, 1)}
+# (8 warps at 128, where fp32 spills in 4); BLOCK_N the key tile of the statistics of rows of
+# huge scores (rare, so small: the kernel's registers stay few); not tuned
+BWD_PREPROCESS_CONFIGS = {64: _cfg(128, 16, 4, 1), 128: _cfg(64, 16, 8, 1), 256: _cfg(32, 16, 4, 1)}
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
 TILE_MAP_CONFIG = triton.Config({}, num_warps=4, num_stages=1)  # one pass over a mask: not tuned
 
@@ -182,7 +182,6 @@ INTERPRETER_CONFIGS = {
     "fwd": _cfg(32, 16, 4, 1),
     "dkdv": _cfg(16, 32, 4, 1),
     "dq": _cfg(32, 16, 4, 1),
-    "preprocess": _cfg(32, None, 4, 1),
-    "exact_rows": _cfg(32, 16, 4, 1),
+    "preprocess": _cfg(32, 16, 4, 1),
     "dropout_mask": _cfg(64, 128, 4, 1),  # large: the interpreter's cost is per tile operation
 }

@@ -17,7 +17,7 @@ import triton
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
 )
 
@@ -124,10 +124,9 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
     return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
 
 
-def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask, tile_map) -> list[dict]:
+def compile_targets(*, fwd, dkdv, dq, preprocess, dropout_mask, tile_map) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
-    kernels/attention.py: the forward, dK/dV, dQ, preprocess, exact-rows, dropout-mask and
-    tile-map ones."""
+    kernels/attention.py: the forward, dK/dV, dQ, preprocess, dropout-mask and tile-map ones."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -163,20 +162,17 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, exact_rows, dropout_mask, tile
             first_output = (dkdv_outputs(dclass)[0],) if stage == "dkdv" else None
             targets += builds(table_fp32[arch][(dclass, weight)][:1], dclass, weight, torch.float32, "tf32",
                               first_output)
-    for dclass, c in BWD_PREPROCESS_CONFIGS.items():
-        targets += [_compile_target(preprocess, "attention_bwd_preprocess", c, dclass, None,
-                                    dtype, matmul=False) for dtype in (torch.float16, torch.float32)]
-    # rare, so tensor cores are not required; fp32 in the precision of the dQ kernel's class,
-    # whose scores it recomputes, and once in single TF32
+    # the preprocess kernel recomputes the statistics of rows of huge scores, rarely, so tensor
+    # cores are not required; fp32 in the precision of the dQ kernel's class, whose scores it
+    # recomputes, and once in single TF32
     for arch in ("sm_80", "sm_90"):
-        for (dclass, c), weight in itertools.product(BWD_EXACT_ROWS_CONFIGS.items(), ("light", "heavy")):
+        for (dclass, c), weight in itertools.product(BWD_PREPROCESS_CONFIGS.items(), ("light", "heavy")):
             fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
             for dtype, precision in ((torch.float16, None), (torch.float32, fp32)):
-                targets.append(_compile_target(exact_rows, "attention_bwd_exact_rows", c,
-                                               dclass, weight, dtype, matmul=False, archs=[arch], precision=precision))
-        targets.append(_compile_target(exact_rows, "attention_bwd_exact_rows",
-                                       BWD_EXACT_ROWS_CONFIGS[64], 64, "light", torch.float32, matmul=False,
-                                       archs=[arch], precision="tf32"))
+                targets.append(_compile_target(preprocess, "attention_bwd_preprocess", c, dclass, weight, dtype,
+                                               matmul=False, archs=[arch], precision=precision))
+        targets.append(_compile_target(preprocess, "attention_bwd_preprocess", BWD_PREPROCESS_CONFIGS[64], 64,
+                                       "light", torch.float32, matmul=False, archs=[arch], precision="tf32"))
     targets.append(_compile_target(dropout_mask, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))
     for kind, dtype in ((MASK_BOOL, torch.float16), (MASK_FLOAT, torch.float32)):  # a float mask of fp32

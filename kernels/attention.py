@@ -35,13 +35,14 @@ program, in a fixed order, so two backward passes are bit-identical.
 
 Rows of huge scores: lse = m + log(l) in one float32 loses log(l) once ulp(m) nears 1 (a
 finite mask of -1e9 on every key of a row loses it entirely, ulp(1e9) = 64), and P = exp(S -
-lse) would sum to l instead of 1. The exact-rows kernel recomputes m and l of the rows with
+lse) would sum to l instead of 1. The preprocess kernel recomputes m and l of the rows with
 |lse| > EXACT_LSE (a block without such a row only reads its lse) and hands the dQ and dK/dV
 kernels hi = m and, in place of dO and delta, r dO and r delta with r = 1 / l, so that
 exp(S - hi) r = P enters every product with their loops unchanged. Every other row gets hi =
-lse and r = 1 from the preprocess kernel: the same bits as without the recomputation. The
-recomputation has a kernel of its own: inside the preprocess kernel it took that kernel
-from about 45 to 150-255 registers, with spills in fp32 (compile-check).
+lse and r = 1: the same bits as without the recomputation. The recomputation takes
+EXACT_ROWS rows and key tiles of BLOCK_N = 16 at a time, in a branch the common path never
+enters, so that the memory-bound kernel keeps its few registers (compile-check); the dQ
+kernel, the other candidate, has none to spare.
 
 Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
@@ -116,7 +117,7 @@ from . import _attention_targets, capability, cdiv, device_index, expansion, nex
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_EXACT_ROWS_CONFIGS,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
@@ -134,6 +135,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x
 MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
 EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recomputed (see above)
+EXACT_ROWS = tl.constexpr(16)  # the rows the preprocess kernel recomputes statistics of at once
 # Dense-mask tile map (see the module docstring): a code per tile for every tile shape of
 # MAP_CELL x MAP_CELL times powers of two up to MAP_TILE x MAP_TILE (the largest tile of any
 # configuration), over the mask padded to whole MAP_TILE blocks. A code has the bit LIVE (some
@@ -621,38 +623,6 @@ def _attention_fwd_kernel(
 # Backward
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _attention_bwd_preprocess_kernel(
-    Out, DO,  # (B, H, Lq, D) forward output and its gradient, stride(-1) == 1
-    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
-    DOr,  # (B, H, Lq, D) contiguous, written: dO (r dO once the exact-rows kernel has run)
-    Hi, Delta,  # (B, H, Lq) fp32, contiguous, written: lse in log2 units, rowsum(dO * O)
-    stride_o_b, stride_o_h, stride_o_m,
-    stride_do_b, stride_do_h, stride_do_m,
-    H, Lq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
-    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
-    rows = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = start_m + rows < Lq
-    d_ok = offs_d < HEAD_DIM
-    start_m64 = tl.cast(start_m, tl.int64)
-    o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
-                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
-                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    row_start = (off_b * H + off_h) * Lq + start_m64
-    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, row_ok, d_ok, MASK_D)
-    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
-    tl.store(Hi + row_start + rows, lse * LOG2E, mask=row_ok)
-    tl.store(Delta + row_start + rows, delta, mask=row_ok)
-
-
-@triton.jit
 def _store_rows(ptrs, x, row_ok, d_ok, MASK_D: tl.constexpr):
     if MASK_D:
         tl.store(ptrs, x, mask=row_ok[:, None] & d_ok[None, :])
@@ -683,15 +653,18 @@ def _attention_row_stats(
 
 
 @triton.jit
-def _attention_bwd_exact_rows_kernel(
+def _attention_bwd_preprocess_kernel(
+    Out, DO,  # (B, H, Lq, D) forward output and its gradient, stride(-1) == 1
+    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K,  # (B, Hkv, Lk, D) keys, stride(-1) == 1
-    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
     TileMap,  # its tile map read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
-    DOr,  # (B, H, Lq, D) contiguous: the preprocess kernel's dO, scaled in place on rows of huge scores
-    Hi, Delta,  # (B, H, Lq) fp32, contiguous: the preprocess kernel's, rewritten on those rows
+    DOr,  # (B, H, Lq, D) contiguous, written: r dO
+    Hi, Delta,  # (B, H, Lq) fp32, contiguous, written: hi and r rowsum(dO * O)
+    stride_o_b, stride_o_h, stride_o_m,
+    stride_do_b, stride_do_h, stride_do_m,
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
@@ -701,43 +674,94 @@ def _attention_bwd_exact_rows_kernel(
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """The module docstring's rows of huge scores: hi = m, r dO and r delta with r = 1 / l.
-    A block without such a row only reads its lse."""
+    """Per row: delta = rowsum(dO * O), hi = lse (log2 units) and dO, or on the module
+    docstring's rows of huge scores hi = m, r dO and r delta with r = 1 / l, their statistics
+    recomputed in blocks of EXACT_ROWS rows (so that the common path keeps its few registers)."""
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     rows = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows
-    row_ok = offs_m < Lq
-    row_start = (off_b * H + off_h) * Lq + tl.cast(start_m, tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = start_m + rows < Lq
+    d_ok = offs_d < HEAD_DIM
+    start_m64 = tl.cast(start_m, tl.int64)
+    row_start = (off_b * H + off_h) * Lq + start_m64
     lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
-    exact = (tl.abs(lse) > EXACT_LSE) & (tl.abs(lse) < float("inf"))
+    plain = row_ok & ~_exact_rows(lse)  # the exact rows are written below, by other threads
+    o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
+                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
+                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, plain, d_ok, MASK_D)
+    tl.store(Hi + row_start + rows, lse * LOG2E, mask=plain)
+    tl.store(Delta + row_start + rows, delta, mask=plain)
+    if tl.max((row_ok & ~plain).to(tl.int32), 0) != 0:
+        for sub in range(0, BLOCK_M, EXACT_ROWS):
+            _exact_rows_block(
+                Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta, off_b, off_h, start_m + sub,
+                (stride_o_b, stride_o_h, stride_o_m), (stride_do_b, stride_do_h, stride_do_m),
+                (stride_q_b, stride_q_h, stride_q_m), (stride_k_b, stride_k_h, stride_k_n),
+                (stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n),
+                (stride_map_b, stride_map_h, stride_map_m, map_unit),
+                H, GROUP, Lq, Lk, causal_offset, scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KIND,
+                HAS_KEY_LENGTHS, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
+            )
+
+
+@triton.jit
+def _exact_rows(lse):
+    """The rows whose statistics the backward recomputes (module docstring)."""
+    return (tl.abs(lse) > EXACT_LSE) & (tl.abs(lse) < float("inf"))
+
+
+@triton.jit
+def _exact_rows_block(
+    Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta,  # as the preprocess kernel's
+    off_b, off_h, start_m,  # EXACT_ROWS rows from start_m
+    strides_o, strides_do, strides_q, strides_k, strides_mask, strides_map,
+    H, GROUP, Lq, Lk, causal_offset, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """hi = m, r dO and r delta of the rows of huge scores among EXACT_ROWS rows from start_m:
+    m and l from the same _masked_scores the forward and the dQ kernel use."""
+    BLOCK_M: tl.constexpr = EXACT_ROWS
+    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    start_m64 = tl.cast(start_m, tl.int64)
+    row_start = (off_b * H + off_h) * Lq + start_m64
+    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
+    exact = row_ok & _exact_rows(lse)
     if tl.max(exact.to(tl.int32), 0) != 0:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        start_m64 = tl.cast(start_m, tl.int64)
         kv_len, _, key_end = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
                                                HAS_KEY_LENGTHS, IS_CAUSAL)  # the keys the forward visited
-        q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
-                       + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-        keys = (K + off_b * stride_k_b + (off_h // GROUP) * stride_k_h, stride_k_n)
-        mask = (Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m,
-                stride_mask_m, stride_mask_n,
-                _map_row(TileMap + off_b * stride_map_b + off_h * stride_map_h, stride_map_m, map_unit, start_m,
-                         BLOCK_M, BLOCK_N))
+        q = _load_tile(Q + off_b * strides_q[0] + off_h * strides_q[1] + start_m64 * strides_q[2]
+                       + rows[:, None] * strides_q[2] + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        keys = (K + off_b * strides_k[0] + (off_h // GROUP) * strides_k[1], strides_k[2])
+        mask = (Mask + off_b * strides_mask[0] + off_h * strides_mask[1] + start_m64 * strides_mask[2],
+                strides_mask[2], strides_mask[3],
+                _map_row(TileMap + off_b * strides_map[0] + off_h * strides_map[1], strides_map[2], strides_map[3],
+                         start_m, BLOCK_M, BLOCK_N))
         l_x, m_x = _attention_row_stats(
             q, (offs_m, row_ok, d_ok), keys, mask, key_end, kv_len, causal_offset, scale * LOG2E,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
-        )
+        )  # l is the sum before dropout, as the forward's
         r = 1.0 / tl.where(exact, l_x, 1.0)  # l >= 1 on these rows: the maximum's own exp(0)
-        todo = row_ok & exact
-        dor_ptrs = DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        do = _load_tile(dor_ptrs, todo, d_ok, True, MASK_D)
-        _store_rows(dor_ptrs, (do.to(tl.float32) * r[:, None]).to(do.dtype), todo, d_ok, MASK_D)
-        delta = tl.load(Delta + row_start + rows, mask=todo, other=0.0)
-        tl.store(Delta + row_start + rows, delta * r, mask=todo)
-        tl.store(Hi + row_start + rows, m_x, mask=todo)
+        o = _load_tile(Out + off_b * strides_o[0] + off_h * strides_o[1] + start_m64 * strides_o[2]
+                       + rows[:, None] * strides_o[2] + offs_d[None, :], exact, d_ok, True, MASK_D)
+        do = _load_tile(DO + off_b * strides_do[0] + off_h * strides_do[1] + start_m64 * strides_do[2]
+                        + rows[:, None] * strides_do[2] + offs_d[None, :], exact, d_ok, True, MASK_D)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                    (do.to(tl.float32) * r[:, None]).to(do.dtype), exact, d_ok, MASK_D)
+        tl.store(Delta + row_start + rows, delta * r, mask=exact)
+        tl.store(Hi + row_start + rows, m_x, mask=exact)
 
 
 @triton.jit
@@ -1103,8 +1127,7 @@ def _attention_dropout_mask_kernel(
 # Outputs each launcher allocates whole, in dtypes the other arguments fix (kernels._launch)
 _FRESH = {
     _attention_fwd_kernel: ("Out", "Lse"),
-    _attention_bwd_preprocess_kernel: ("DOr",),
-    _attention_bwd_exact_rows_kernel: (),
+    _attention_bwd_preprocess_kernel: ("DOr", "Hi", "Delta"),
     _attention_bwd_dkdv_kernel: ("DK", "DV"),
     _attention_bwd_dq_kernel: ("DQ", "DMask"),
     _attention_dropout_mask_kernel: ("Keep",),
@@ -1364,11 +1387,6 @@ def _features_of(D: int, mask_kind: int, has_key_lengths: bool, is_causal: bool,
     ))
 
 
-@functools.lru_cache(maxsize=None)
-def _preprocess_spec(D: int, block_d: int) -> Spec:
-    return Spec(dict(HEAD_DIM=D, BLOCK_D=block_d))
-
-
 def _call_flags(q, dropout_p, seed) -> tuple:
     """The part of a site's key (kernels/_launch.py, "Call sites") that is not in the
     tensors: dropout_p, the seed's integer class only with dropout, the TF32 setting only for
@@ -1485,8 +1503,7 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         mstride = (*mstride, *(_NO_MAP if geometry is None else geometry[3]))  # with the map's
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
-        ints = ((*out.stride()[:3], *dout.stride()[:3], H, Lq),
-                (*qs, *ks, *mstride, *sizes),
+        ints = ((*out.stride()[:3], *dout.stride()[:3], *qs, *ks, *mstride, *sizes),
                 (*qs, *ks, *vs, *contiguous, *kv_contiguous, *kv_contiguous, *mstride, *sizes),
                 (*qs, *ks, *vs, *contiguous, *contiguous, *mstride, *sizes))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
@@ -1505,20 +1522,18 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
     hi, delta, dout_r = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like)
     scale = float(scale)
     args = (
-        (out, dout, lse, dout_r, hi, delta, *ints[0]),
-        (q, k, lse, mask, tmap, kl, dout_r, hi, delta, *ints[1], scale),
-        (q, k, v, dout_r, hi, delta, dk, dv, mask, tmap, kl, *ints[2], scale, *tail),
-        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[3], scale, *tail),
+        (out, dout, lse, q, k, mask, tmap, kl, dout_r, hi, delta, *ints[0], scale),
+        (q, k, v, dout_r, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
+        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[2], scale, *tail),
     )
     with on_device(q):
         if site is not None:
-            # preprocess, exact rows, dK/dV (one launch per output group), dQ
-            pre, exact, dkdv, dq_launch = launches
+            # preprocess (with the rows of huge scores), dK/dV (one launch per output group), dQ
+            pre, dkdv, dq_launch = launches
             pre(args[0])
-            exact(args[1])
             for launch in dkdv:
-                launch(args[2])
-            dq_launch(args[3])
+                launch(args[1])
+            dq_launch(args[2])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
             remember(sites, key, (launches, ints, tail, like, geometry))
@@ -1526,32 +1541,30 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
 
 
 def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
-    """The backward's launches on a site's first call: (preprocess, exact rows, dK/dV
-    launches, dQ), each run once and returned bound."""
+    """The backward's launches on a site's first call: (preprocess, dK/dV launches, dQ), each
+    run once and returned bound."""
     B, H, Lq, D = q.shape
     Hkv, Lk = args[2][1].shape[1], args[2][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     fc = feats.constexprs
     if _interpreting():
-        pre, exact, exact_feats = INTERPRETER_CONFIGS["preprocess"], INTERPRETER_CONFIGS["exact_rows"], feats
+        pre, pre_feats = INTERPRETER_CONFIGS["preprocess"], feats
     else:
         dclass, arch = _head_dim_class(fc["BLOCK_D"]), _gpu_arch(q.device)
-        pre, exact = BWD_PREPROCESS_CONFIGS[dclass], BWD_EXACT_ROWS_CONFIGS[dclass]
+        pre = BWD_PREPROCESS_CONFIGS[dclass]
         # the statistics' scores are rounded as the dQ kernel's class rounds them
         ieee = (_precision_class(q.dtype) == "fp32"
                 and (dclass, _weight(fc["MASK_KIND"], fc["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
-        exact_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
+        pre_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
     pre_launch = _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                      args[0], _preprocess_spec(D, fc["BLOCK_D"]))
-    exact_launch = _run(_attention_bwd_exact_rows_kernel, exact, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[1], _spec_without(exact_feats, "HAS_DROPOUT"))  # l is the undropped sum
+                      args[0], _spec_without(pre_feats, "HAS_DROPOUT"))  # l is the undropped sum
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                args[2], _spec_with(feats, OUTPUT=output))
+                args[1], _spec_with(feats, OUTPUT=output))
         for output in dkdv_outputs(fc["BLOCK_D"]))
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[3], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
-    return pre_launch, exact_launch, dkdv, dq_launch
+                        args[2], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
+    return pre_launch, dkdv, dq_launch
 
 
 def attention_dropout_mask(q, k, dropout_p, seed):
@@ -1704,6 +1717,6 @@ def compile_targets() -> list[dict]:
     """Every kernel in every shipped GPU configuration, for ``python -m fasttrans compile-check``."""
     return _attention_targets.compile_targets(
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
-        preprocess=_attention_bwd_preprocess_kernel, exact_rows=_attention_bwd_exact_rows_kernel,
+        preprocess=_attention_bwd_preprocess_kernel,
         dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
     )

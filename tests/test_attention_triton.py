@@ -356,7 +356,7 @@ def test_inf_in_v_with_a_subnormal_weight_on_cuda(dtype):
 
 
 # Rows whose |lse| passes kernels/attention.py's EXACT_LSE get their max and sum recomputed by
-# the dQ kernel (hi, lo apart), where P = exp(S - lse) would be 1 instead of 1/l.
+# the backward's preprocess kernel, where P = exp(S - lse) would be 1 instead of 1/l.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["none", "key_lengths+causal_br", "causal_neg"])
 @pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -1e4, "logits", pytest.param(
