@@ -17,7 +17,7 @@ import triton
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_PREPROCESS_CONFIGS_FP32,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
 )
 
@@ -25,8 +25,8 @@ __all__ = ["compile_targets", "LOOP_GOALS"]
 
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
 _IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
-_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "KeyLengths": "*i32",
-                "TileMap": "*i8",
+_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "Exact": "*i8",
+                "KeyLengths": "*i32", "TileMap": "*i8",
                 "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
 # kernels whose main loop computes a (BLOCK_M, BLOCK_N) tile of scores: compile-check counts its
 # SASS per score element
@@ -166,12 +166,13 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, dropout_mask, tile_map) -> lis
     # cores are not required; fp32 in the precision of the dQ kernel's class, whose scores it
     # recomputes, and once in single TF32
     for arch in ("sm_80", "sm_90"):
-        for (dclass, c), weight in itertools.product(BWD_PREPROCESS_CONFIGS.items(), ("light", "heavy")):
+        for dclass, weight in itertools.product(BWD_PREPROCESS_CONFIGS, ("light", "heavy")):
             fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
-            for dtype, precision in ((torch.float16, None), (torch.float32, fp32)):
-                targets.append(_compile_target(preprocess, "attention_bwd_preprocess", c, dclass, weight, dtype,
-                                               matmul=False, archs=[arch], precision=precision))
-        targets.append(_compile_target(preprocess, "attention_bwd_preprocess", BWD_PREPROCESS_CONFIGS[64], 64,
+            for dtype, precision, table in ((torch.float16, None, BWD_PREPROCESS_CONFIGS),
+                                            (torch.float32, fp32, BWD_PREPROCESS_CONFIGS_FP32)):
+                targets.append(_compile_target(preprocess, "attention_bwd_preprocess", table[dclass], dclass, weight,
+                                               dtype, matmul=False, archs=[arch], precision=precision))
+        targets.append(_compile_target(preprocess, "attention_bwd_preprocess", BWD_PREPROCESS_CONFIGS_FP32[64], 64,
                                        "light", torch.float32, matmul=False, archs=[arch], precision="tf32"))
     targets.append(_compile_target(dropout_mask, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))

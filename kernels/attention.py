@@ -27,11 +27,12 @@ Backward, with P = exp(S - lse) recomputed tile by tile and Pd = P * Z / (1 - p)
     dV    = Pd^T dO           dP = (dO V^T) * Z / (1 - p)
     dS    = P * (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
 
-dS is also the gradient of a float mask (it is added to the scaled scores). dK/dV are
-computed by one program per key tile that loops over every query tile and, for grouped-
-query attention, over every query head of its kv group; dQ by one program per query tile
-looping over key tiles. No atomics: each output element is written by exactly one
-program, in a fixed order, so two backward passes are bit-identical.
+dS is also the gradient of a float mask (it is added to the scaled scores). Three
+launches: the preprocess kernel, then dQ, one program per query tile looping over key
+tiles, then dK/dV, one program per key tile looping over every query tile and, for
+grouped-query attention, over every query head of its kv group. No atomics: each output
+element is written by exactly one program, in a fixed order, so two backward passes are
+bit-identical.
 
 Rows of huge scores: lse = m + log(l) in one float32 loses log(l) once ulp(m) nears 1 (a
 finite mask of -1e9 on every key of a row loses it entirely, ulp(1e9) = 64), and P = exp(S -
@@ -43,6 +44,14 @@ lse and r = 1: the same bits as without the recomputation. The recomputation tak
 EXACT_ROWS rows and key tiles of BLOCK_N = 16 at a time, in a branch the common path never
 enters, so that the memory-bound kernel keeps its few registers (compile-check); the dQ
 kernel, the other candidate, has none to spare.
+
+dO is read where autograd left it. Only a preprocess block (BLOCK_M rows) with such a row
+writes its dO, times r, to a copy, DOr, and sets its flag. The dQ kernel reads its query
+tile (which lies within one block) from the copy where the block is flagged, and where a kv
+group has any flag it copies the dO of the group's other blocks, so that the dK/dV kernel
+chooses its source once per kv group, before its loop, and reads a whole group from the
+copy: chosen per tile, the loop's dO loads would depend on a flag loaded in the same loop,
+which the software pipeliner would have to issue a stage ahead of them.
 
 Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
@@ -117,7 +126,7 @@ from . import _attention_targets, capability, cdiv, device_index, expansion, nex
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS,
+    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_PREPROCESS_CONFIGS_FP32,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
@@ -661,8 +670,9 @@ def _attention_bwd_preprocess_kernel(
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
     TileMap,  # its tile map read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
-    DOr,  # (B, H, Lq, D) contiguous, written: r dO
+    DOr,  # (B, H, Lq, D) contiguous, written on the blocks that have a row of huge scores: r dO
     Hi, Delta,  # (B, H, Lq) fp32, contiguous, written: hi and r rowsum(dO * O)
+    Exact,  # (B, H, cdiv(Lq, BLOCK_M)) int8, contiguous, written: whether the block has such a row
     stride_o_b, stride_o_h, stride_o_m,
     stride_do_b, stride_do_h, stride_do_m,
     stride_q_b, stride_q_h, stride_q_m,
@@ -674,9 +684,10 @@ def _attention_bwd_preprocess_kernel(
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Per row: delta = rowsum(dO * O), hi = lse (log2 units) and dO, or on the module
-    docstring's rows of huge scores hi = m, r dO and r delta with r = 1 / l, their statistics
-    recomputed in blocks of EXACT_ROWS rows (so that the common path keeps its few registers)."""
+    """Per row: delta = rowsum(dO * O) and hi = lse (log2 units), or on the module docstring's
+    rows of huge scores hi = m, r delta and r dO with r = 1 / l, their statistics recomputed in
+    blocks of EXACT_ROWS rows (so that the common path keeps its few registers). A block with
+    such a row has its dO (times r) in DOr and its flag in Exact; the others write no dO."""
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
@@ -689,15 +700,16 @@ def _attention_bwd_preprocess_kernel(
     row_start = (off_b * H + off_h) * Lq + start_m64
     lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
     plain = row_ok & ~_exact_rows(lse)  # the exact rows are written below, by other threads
+    has_exact = tl.max((row_ok & ~plain).to(tl.int32), 0)
+    tl.store(Exact + (off_b * H + off_h) * tl.num_programs(0) + tl.program_id(0), has_exact.to(tl.int8))
     o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
                    + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
                     + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, plain, d_ok, MASK_D)
     tl.store(Hi + row_start + rows, lse * LOG2E, mask=plain)
     tl.store(Delta + row_start + rows, delta, mask=plain)
-    if tl.max((row_ok & ~plain).to(tl.int32), 0) != 0:
+    if has_exact != 0:
         for sub in range(0, BLOCK_M, EXACT_ROWS):
             _exact_rows_block(
                 Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta, off_b, off_h, start_m + sub,
@@ -717,6 +729,17 @@ def _exact_rows(lse):
 
 
 @triton.jit
+def _any_set(Flags, n):
+    """Whether any of the n int8 flags from Flags is set."""
+    found = tl.full((), 0, tl.int32)
+    offs = tl.arange(0, 128)
+    for start in range(0, n, 128):
+        flags = tl.load(Flags + start + offs, mask=start + offs < n, other=0)
+        found = tl.maximum(found, tl.max(flags.to(tl.int32), 0))
+    return found != 0
+
+
+@triton.jit
 def _exact_rows_block(
     Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta,  # as the preprocess kernel's
     off_b, off_h, start_m,  # EXACT_ROWS rows from start_m
@@ -725,8 +748,9 @@ def _exact_rows_block(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """hi = m, r dO and r delta of the rows of huge scores among EXACT_ROWS rows from start_m:
-    m and l from the same _masked_scores the forward and the dQ kernel use."""
+    """hi = m, r dO and r delta of the rows of huge scores among EXACT_ROWS rows from start_m
+    (m and l from the same _masked_scores the forward and the dQ kernel use), and dO of the
+    others, into DOr."""
     BLOCK_M: tl.constexpr = EXACT_ROWS
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
     rows = tl.arange(0, BLOCK_M)
@@ -738,6 +762,10 @@ def _exact_rows_block(
     row_start = (off_b * H + off_h) * Lq + start_m64
     lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
     exact = row_ok & _exact_rows(lse)
+    plain = row_ok & ~exact  # its dO as it is: the block's dO goes to DOr whole
+    do = _load_tile(DO + off_b * strides_do[0] + off_h * strides_do[1] + start_m64 * strides_do[2]
+                    + rows[:, None] * strides_do[2] + offs_d[None, :], plain, d_ok, True, MASK_D)
+    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, plain, d_ok, MASK_D)
     if tl.max(exact.to(tl.int32), 0) != 0:
         kv_len, _, key_end = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
                                                HAS_KEY_LENGTHS, IS_CAUSAL)  # the keys the forward visited
@@ -856,7 +884,9 @@ def _attention_bwd_dkdv_inner(
 def _attention_bwd_dkdv_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
-    DO,  # (B, H, Lq, D) output gradient times the row's r (module docstring), stride(-1) == 1
+    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
+    DOr, Exact,  # the preprocess kernel's; DOr holds r dO (module docstring) for every query head
+    #              of a kv group with a flag in Exact (the dQ kernel completes it)
     Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DK, DV,  # (B, Hkv, Lk, D) gradients, written (summed over the kv group's query heads)
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
@@ -866,11 +896,13 @@ def _attention_bwd_dkdv_kernel(
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
     stride_do_b, stride_do_h, stride_do_m,
+    stride_dor_b, stride_dor_h,  # DOr's (contiguous rows of HEAD_DIM)
     stride_dk_b, stride_dk_h, stride_dk_n,
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
+    exact_blocks,  # Exact's blocks per head
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -924,7 +956,12 @@ def _attention_bwd_dkdv_kernel(
     qk_scale = scale * LOG2E
 
     Q_b = Q + off_b * stride_q_b
-    DO_b = DO + off_b * stride_do_b
+    # dO, or r dO where the group has rows of huge scores: chosen before the loop, whose loads
+    # then depend on no other load
+    copied = _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks)
+    DO_b = tl.where(copied, DOr + off_b * stride_dor_b, DO + off_b * stride_do_b)
+    stride_do_h = tl.where(copied, stride_dor_h, stride_do_h)
+    stride_do_m = tl.where(copied, HEAD_DIM, stride_do_m)
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
     rows_b = off_b * H * Lq  # this batch's first row of hi and delta
     heads = (off_hkv * GROUP, GROUP)
@@ -1015,7 +1052,9 @@ def _attention_bwd_dq_inner(
 def _attention_bwd_dq_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
-    DO,  # (B, H, Lq, D) output gradient times the row's r (module docstring), stride(-1) == 1
+    DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
+    DOr, Exact,  # the preprocess kernel's: r dO (module docstring) on the blocks flagged in Exact;
+    #              written here: dO on the other blocks of a kv group with a flag
     Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DQ,  # (B, H, Lq, D) gradient, written
     DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
@@ -1030,6 +1069,7 @@ def _attention_bwd_dq_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
+    exact_blocks, exact_block_rows,  # Exact's blocks per head and rows per block
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1054,9 +1094,19 @@ def _attention_bwd_dq_kernel(
 
     q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
                    + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
-                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     row_base = (off_b * H + off_h) * Lq
+    # dO, or r dO where the preprocess kernel flagged the block of this tile (its blocks hold
+    # whole tiles); where this kv group has a flag, the dK/dV kernel reads all its rows from
+    # DOr, and the other blocks' dO is copied there
+    flagged = tl.load(Exact + (off_b * H + off_h) * exact_blocks + start_m // exact_block_rows) != 0
+    DO_m = tl.where(flagged, DOr + (row_base + start_m64) * HEAD_DIM,
+                    DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m)
+    do = _load_tile(DO_m + rows[:, None] * tl.where(flagged, HEAD_DIM, stride_do_m) + offs_d[None, :], row_ok, d_ok,
+                    True, MASK_D)
+    if _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks):
+        if not flagged:
+            _store_rows(DOr + (row_base + start_m64) * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do,
+                        row_ok, d_ok, MASK_D)
     row_hi = tl.load(Hi + row_base + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
 
@@ -1127,7 +1177,7 @@ def _attention_dropout_mask_kernel(
 # Outputs each launcher allocates whole, in dtypes the other arguments fix (kernels._launch)
 _FRESH = {
     _attention_fwd_kernel: ("Out", "Lse"),
-    _attention_bwd_preprocess_kernel: ("DOr", "Hi", "Delta"),
+    _attention_bwd_preprocess_kernel: ("DOr", "Hi", "Delta", "Exact"),
     _attention_bwd_dkdv_kernel: ("DK", "DV"),
     _attention_bwd_dq_kernel: ("DQ", "DMask"),
     _attention_dropout_mask_kernel: ("Keep",),
@@ -1492,9 +1542,12 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
             return (q.new_zeros((B, H, Lq, D)), k.new_empty((B, Hkv, 0, D)), v.new_empty((B, Hkv, 0, D)),
                     q.new_zeros((B, H, Lq, 0), dtype=torch.float32) if mask_grad else None)
         # templates of the outputs and workspaces (see expansion)
+        block_rows = _preprocess_config(D, q.dtype).kwargs["BLOCK_M"]  # the rows of each flag in exact
+        blocks = cdiv(Lq, block_rows)
         like = (expansion(q.dtype, q.device, (B, H, Lq, D)), expansion(k.dtype, k.device, (B, Hkv, Lk, D)),
                 expansion(v.dtype, v.device, (B, Hkv, Lk, D)), expansion(torch.float32, q.device, (B, H, Lq)),
-                expansion(dout.dtype, q.device, (B, H, Lq, D)), expansion(torch.float32, q.device, (B, H, Lq, Lk)))
+                expansion(dout.dtype, q.device, (B, H, Lq, D)), expansion(torch.float32, q.device, (B, H, Lq, Lk)),
+                expansion(torch.int8, q.device, (B, H, blocks)))
         # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
         contiguous = (H * Lq * D, Lq * D, D)
         qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
@@ -1503,68 +1556,77 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         mstride = (*mstride, *(_NO_MAP if geometry is None else geometry[3]))  # with the map's
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
-        ints = ((*out.stride()[:3], *dout.stride()[:3], *qs, *ks, *mstride, *sizes),
-                (*qs, *ks, *vs, *contiguous, *kv_contiguous, *kv_contiguous, *mstride, *sizes),
-                (*qs, *ks, *vs, *contiguous, *contiguous, *mstride, *sizes))
+        ds = dout.stride()[:3]
+        ints = ((*out.stride()[:3], *ds, *qs, *ks, *mstride, *sizes),
+                (*qs, *ks, *vs, *ds, *contiguous[:2], *kv_contiguous, *kv_contiguous, *mstride, *sizes, blocks),
+                (*qs, *ks, *vs, *ds, *contiguous, *mstride, *sizes, blocks, block_rows))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launches, ints, tail, like, geometry = site
         if dropout_p > 0.0:
             tail = (*tail[:2], int(seed), *tail[3:])
-    q_like, k_like, v_like, row_like, dout_like, mask_like = like
+    q_like, k_like, v_like, row_like, dout_like, mask_like, exact_like = like
     dq, dk, dv = _empty_like(q_like), _empty_like(k_like), _empty_like(v_like)
     # tiles a program skips (above the diagonal, past a key length) are never written: zeros
     dmask = torch.zeros_like(mask_like) if mask_grad else None
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
     tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, q.shape[2], k.shape[2])
     kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
-    # per row: hi and delta, and dO, times r on rows of huge scores (see the module docstring)
-    hi, delta, dout_r = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like)
+    # per row hi and delta; r dO where a kv group has rows of huge scores (the module docstring)
+    hi, delta, dout_r, exact = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like), \
+        _empty_like(exact_like)
     scale = float(scale)
     args = (
-        (out, dout, lse, q, k, mask, tmap, kl, dout_r, hi, delta, *ints[0], scale),
-        (q, k, v, dout_r, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
-        (q, k, v, dout_r, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[2], scale, *tail),
+        (out, dout, lse, q, k, mask, tmap, kl, dout_r, hi, delta, exact, *ints[0], scale),
+        (q, k, v, dout, dout_r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
+        (q, k, v, dout, dout_r, exact, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[2],
+         scale, *tail),
     )
     with on_device(q):
         if site is not None:
-            # preprocess (with the rows of huge scores), dK/dV (one launch per output group), dQ
-            pre, dkdv, dq_launch = launches
+            # preprocess (with the rows of huge scores), dQ, dK/dV (one launch per output group)
+            pre, dq_launch, dkdv = launches
             pre(args[0])
+            dq_launch(args[2])  # completes the r dO copies the dK/dV kernel reads
             for launch in dkdv:
                 launch(args[1])
-            dq_launch(args[2])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
             remember(sites, key, (launches, ints, tail, like, geometry))
     return dq, dk, dv, dmask
 
 
+def _preprocess_config(D: int, dtype: torch.dtype) -> triton.Config:
+    """The preprocess kernel's configuration for head dim D (its BLOCK_M sizes its flags)."""
+    if _interpreting():
+        return INTERPRETER_CONFIGS["preprocess"]
+    table = BWD_PREPROCESS_CONFIGS_FP32 if dtype == torch.float32 else BWD_PREPROCESS_CONFIGS
+    return table[_head_dim_class(max(16, next_power_of_2(D)))]
+
+
 def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
-    """The backward's launches on a site's first call: (preprocess, dK/dV launches, dQ), each
-    run once and returned bound."""
+    """The backward's launches on a site's first call: (preprocess, dQ, dK/dV launches), each
+    run once, in that order, and returned bound."""
     B, H, Lq, D = q.shape
     Hkv, Lk = args[2][1].shape[1], args[2][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     fc = feats.constexprs
-    if _interpreting():
-        pre, pre_feats = INTERPRETER_CONFIGS["preprocess"], feats
-    else:
+    pre, pre_feats = _preprocess_config(D, q.dtype), feats
+    if not _interpreting():
         dclass, arch = _head_dim_class(fc["BLOCK_D"]), _gpu_arch(q.device)
-        pre = BWD_PREPROCESS_CONFIGS[dclass]
         # the statistics' scores are rounded as the dQ kernel's class rounds them
         ieee = (_precision_class(q.dtype) == "fp32"
                 and (dclass, _weight(fc["MASK_KIND"], fc["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
         pre_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
     pre_launch = _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                       args[0], _spec_without(pre_feats, "HAS_DROPOUT"))  # l is the undropped sum
+    dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
+                        args[2], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
                 args[1], _spec_with(feats, OUTPUT=output))
         for output in dkdv_outputs(fc["BLOCK_D"]))
-    dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[2], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
-    return pre_launch, dkdv, dq_launch
+    return pre_launch, dq_launch, dkdv
 
 
 def attention_dropout_mask(q, k, dropout_p, seed):

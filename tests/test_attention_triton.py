@@ -415,6 +415,24 @@ def test_rows_of_huge_scores_with_dropout(dtype, device):
         assert_close_lowp(name, got[name], ref[name], base[name], dtype=dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_huge_scores_in_one_block_of_one_head(device):
+    """dO is read where autograd left it, except in a kv group with rows of huge scores, whose
+    rows the backward reads from its r dO copy: here one block of one head has such rows, so
+    the copy of that group holds r dO there and dO, copied, everywhere else. dO is strided."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 45, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    mask = make_float_mask((B, H, Lq, Lk), device)
+    mask[1, 3, 40:44] = -1e9  # batch 1, second head of the second kv group, one block of rows
+    kw = {"attn_mask": mask}
+    dout = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)
+    got = _run(_triton, q, k, v, dout, kw)
+    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
+    base = _run(reference.attention, q, k, v, dout, kw)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------------------
 # dropout
 # ---------------------------------------------------------------------------------------
@@ -747,7 +765,7 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
         K.attention_fwd(q, k, v, *args.values())
         out, lse = torch.zeros_like(q), torch.zeros(1, 2, 8)
         K.attention_bwd(torch.ones_like(q), q, k, v, out, lse, *args.values(), False)
-        stages = ["fwd"] + ["dkdv"] * len(K.dkdv_outputs(D)) + ["dq"]
+        stages = ["fwd", "dq"] + ["dkdv"] * len(K.dkdv_outputs(D))  # dK/dV reads what dQ writes
         assert len(calls) == len(stages)
         weight = "heavy" if extra else "light"
         for stage, (key, constexprs) in zip(stages, calls):
@@ -758,6 +776,19 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
                 expected = "ieee"
             assert constexprs["INPUT_PRECISION"] == expected, (stage, dtype, D)
             assert key in real[stage]  # an autotuner exists for it
+
+
+def test_dq_tiles_lie_within_one_preprocess_block():
+    """The dQ kernel reads one flag of rows of huge scores per query tile: the preprocess
+    kernel's block of its class and precision (and the interpreter's) holds whole dQ tiles."""
+    for tables, pre in ((K.BWD_DQ_CONFIGS, K.BWD_PREPROCESS_CONFIGS),
+                        (K.BWD_DQ_CONFIGS_FP32, K.BWD_PREPROCESS_CONFIGS_FP32)):
+        for arch, table in tables.items():
+            for (dclass, weight), cfgs in table.items():
+                for cfg in cfgs:
+                    assert pre[dclass].kwargs["BLOCK_M"] % cfg.kwargs["BLOCK_M"] == 0, (arch, dclass, weight, cfg)
+    interp = K.INTERPRETER_CONFIGS
+    assert interp["preprocess"].kwargs["BLOCK_M"] % interp["dq"].kwargs["BLOCK_M"] == 0
 
 
 def test_fp32_ieee_classes_are_the_large_head_dims():
