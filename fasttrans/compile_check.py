@@ -32,9 +32,10 @@ Every target is compiled with ``triton.compile`` for each requested architecture
     tma                 whether the kernel loads through the Tensor Memory Accelerator (sm_90)
     wgmma_shapes        the wgmma instruction shapes used, e.g. "m64n64k16"
     loop_per_element    for targets with loop_scores: SASS instructions per score element in
-                        the main loop, the first innermost loop that issues tensor-core
-                        instructions (instructions x 32 x num_warps / loop_scores: what one
-                        thread executes per score it owns)
+                        the main loop: the innermost loop that issues the most tensor-core
+                        instructions, of several such the shortest (the loop over full tiles
+                        rather than its masked copy), the first of equals (instructions x 32 x
+                        num_warps / loop_scores: what one thread executes per score it owns)
 
 A build is ``ok`` when it compiles, spills nothing, fits in shared memory, for ``matmul``
 targets uses tensor cores, and on sm_90 keeps its main loop within ``loop_goal``. The exit
@@ -217,11 +218,15 @@ def sass_loops(sass: str) -> list[list[str]]:
 
 
 def main_loop(sass: str) -> list[str] | None:
-    """The first innermost loop that issues tensor-core instructions (None without one)."""
+    """The innermost loop that issues the most tensor-core instructions, and of several such
+    the shortest, the first of equals (None without one): a kernel's matmul loop over full
+    tiles, not its copy with per-element masks nor a lighter loop before it."""
+    best, key = None, None
     for loop in sass_loops(sass):
-        if any(_SASS_PREDICATE.sub("", op).startswith(_TENSOR_CORE_SASS) for op in loop):
-            return loop
-    return None
+        count = sum(_SASS_PREDICATE.sub("", op).startswith(_TENSOR_CORE_SASS) for op in loop)
+        if count and (key is None or (-count, len(loop)) < key):
+            best, key = loop, (-count, len(loop))
+    return best
 
 
 def _loop_metrics(kernel, t: dict, cap: int) -> dict:

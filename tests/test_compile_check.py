@@ -176,6 +176,13 @@ def test_sass_loops_are_the_innermost_backward_branches():
     assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA")) == loops[2]  # a predicated HGMMA
     assert compile_check.main_loop(SASS.replace("HMMA.16816.F32", "FFMA").replace("HGMMA.64x64x16.F32", "FFMA")) \
         is None
+    # more tensor-core instructions win over program order; of equals, the shorter loop (the
+    # one over full tiles, without the masked copy's per-element selects)
+    heavier = SASS.replace("--:-:-:-:5	@P0 BRA LBB3;", "--:-:-:-:1	HGMMA.64x64x16.F32 R24, gdesc[UR28], RZ, !UPT;\n"
+                           "--:-:-:-:5	@P0 BRA LBB3;")
+    assert compile_check.main_loop(heavier) == compile_check.sass_loops(heavier)[2]
+    longer_first = SASS.replace("--:-:-:-:1	FMUL R1, R1, R1;", "--:-:-:-:1	FMUL R1, R1, R1;\n--:-:-:-:1	FSEL R1, R1, RZ, !P1;")
+    assert compile_check.main_loop(longer_first) == compile_check.sass_loops(longer_first)[2]
 
 
 @pytest.mark.slow
