@@ -836,15 +836,18 @@ def _attention_bwd_dkdv_inner(
         dense = _tile_dense(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)
         start_m64 = tl.cast(start_m, tl.int64)
         rows = start_m + rows_local
-        row_ok = rows < Lq
+        row_ok = rows < Lq  # all True on full tiles, whose rows are below Lq
         q = _load_tile(Q_b + off_h * stride_q_h + start_m64 * stride_q_m + rows_local[:, None] * stride_q_m
-                       + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+                       + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
         do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
-                        + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+                        + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
         row_base = off_h * Lq + rows  # int64 (BLOCK_M,): rows of this batch's (H, Lq) statistics
-        # rows past Lq read hi = +inf, hence P = 0
-        row_hi = tl.load(Hi_b + row_base, mask=row_ok, other=float("inf"))
-        delta = tl.load(Delta_b + row_base, mask=row_ok, other=0.0)
+        if ELEMENT_MASKED:  # rows past Lq read hi = +inf, hence P = 0
+            row_hi = tl.load(Hi_b + row_base, mask=row_ok, other=float("inf"))
+            delta = tl.load(Delta_b + row_base, mask=row_ok, other=0.0)
+        else:
+            row_hi = tl.load(Hi_b + row_base)
+            delta = tl.load(Delta_b + row_base)
         s_t = _dot(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         s_t = s_t * qk_scale  # S^T, (BLOCK_N, BLOCK_M)
         if MASK_KIND != 0:
@@ -860,9 +863,11 @@ def _attention_bwd_dkdv_inner(
             if IS_CAUSAL:
                 allowed = allowed & (cols[:, None] <= rows[None, :] + causal_offset)
             s_t = tl.where(allowed, s_t, float("-inf"))
-        # query rows past Lq (loaded as q = 0, do = 0) carry no weight; 0 * inf in a key would
-        # otherwise make their scores NaN, and exp2(NaN - inf) NaN
-        p_t = tl.where(row_ok[None, :], tl.math.exp2(s_t - row_hi[None, :]), 0.0)
+        p_t = tl.math.exp2(s_t - row_hi[None, :])
+        if ELEMENT_MASKED:
+            # query rows past Lq (loaded as q = 0, do = 0) carry no weight; 0 * inf in a key
+            # would otherwise make their scores NaN, and exp2(NaN - inf) NaN
+            p_t = tl.where(row_ok[None, :], p_t, 0.0)
         if HAS_DROPOUT:
             keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, rows, start_n, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
@@ -933,7 +938,8 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
     # Query tiles [lo, split) need per-element masking (the causal diagonal, or every tile when
-    # this key tile is partial), [split, end) are full; rows before lo never see this tile.
+    # this key tile is partial), [split, end) are full but for a last partial tile, masked too;
+    # rows before lo never see this tile.
     end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     lo = 0
     split = 0
@@ -953,6 +959,7 @@ def _attention_bwd_dkdv_kernel(
         lo = tl.maximum(lo, span[0] * BLOCK_M)
         end = tl.maximum(tl.minimum(end, span[1] * BLOCK_M), lo)
     split = tl.minimum(tl.maximum(split, lo), end)
+    mid = tl.maximum(split, tl.minimum(end, Lq // BLOCK_M * BLOCK_M))  # [mid, end): Lq's partial tile
     qk_scale = scale * LOG2E
 
     Q_b = Q + off_b * stride_q_b
@@ -979,8 +986,14 @@ def _attention_bwd_dkdv_kernel(
     )
     dk, dv = _attention_bwd_dkdv_inner(
         (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
-        split, (end - split) // BLOCK_M, Lq, causal_offset, qk_scale,
+        split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
+        INPUT_PRECISION,
+    )
+    dk, dv = _attention_bwd_dkdv_inner(
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+        mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
 
