@@ -88,7 +88,7 @@ BWD_DQ_CONFIGS = {
     "sm_90": {  # d64 light: the one entry within the backward's loop goal (kernels/_attention_targets.py)
         (64, "light"): [_cfg(128, 128, 8, 2)],
         (64, "heavy"): [_cfg(64, 32, 4, 2)],
-        (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (256, "light"): [_cfg(64, 32, 4, 2)],
         (256, "heavy"): [_cfg(64, 16, 8, 3)],
