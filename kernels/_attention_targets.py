@@ -33,8 +33,7 @@ _FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32
 _LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 # the most SASS instructions per score element the main loop may take on sm_90 in 16-bit, per
 # (kernel, head-dim class, weight): compile-check fails a target above its goal
-# (the backward's goal, 19 per score for its two loops together, as 12.05 for dK/dV and
-# 6.95 for dQ, their largest counts today)
+# (the backward's goal, 19 per score for its two loops together, split between dK/dV and dQ)
 LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_bwd_dkdv", 64, "light"): 12.05,
               ("attention_bwd_dq", 64, "light"): 6.95}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -1571,8 +1571,8 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
         ds = dout.stride()[:3]
         ints = ((*out.stride()[:3], *ds, *qs, *ks, *mstride, *sizes),
-                (*qs, *ks, *vs, *ds, *contiguous[:2], *kv_contiguous, *kv_contiguous, *mstride, *sizes, blocks),
-                (*qs, *ks, *vs, *ds, *contiguous, *mstride, *sizes, blocks, block_rows))
+                (*qs, *ks, *vs, *ds, *contiguous, *mstride, *sizes, blocks, block_rows),
+                (*qs, *ks, *vs, *ds, *contiguous[:2], *kv_contiguous, *kv_contiguous, *mstride, *sizes, blocks))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launches, ints, tail, like, geometry = site
@@ -1589,20 +1589,20 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
     hi, delta, dout_r, exact = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like), \
         _empty_like(exact_like)
     scale = float(scale)
-    args = (
+    args = (  # in launch order: the dK/dV kernel reads the r dO copies the dQ kernel completes
         (out, dout, lse, q, k, mask, tmap, kl, dout_r, hi, delta, exact, *ints[0], scale),
-        (q, k, v, dout, dout_r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
-        (q, k, v, dout, dout_r, exact, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[2],
+        (q, k, v, dout, dout_r, exact, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[1],
          scale, *tail),
+        (q, k, v, dout, dout_r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[2], scale, *tail),
     )
     with on_device(q):
         if site is not None:
             # preprocess (with the rows of huge scores), dQ, dK/dV (one launch per output group)
             pre, dq_launch, dkdv = launches
             pre(args[0])
-            dq_launch(args[2])  # completes the r dO copies the dK/dV kernel reads
+            dq_launch(args[1])
             for launch in dkdv:
-                launch(args[1])
+                launch(args[2])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
             remember(sites, key, (launches, ints, tail, like, geometry))
@@ -1634,10 +1634,10 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
     pre_launch = _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                       args[0], _spec_without(pre_feats, "HAS_DROPOUT"))  # l is the undropped sum
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[2], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
+                        args[1], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                args[1], _spec_with(feats, OUTPUT=output))
+                args[2], _spec_with(feats, OUTPUT=output))
         for output in dkdv_outputs(fc["BLOCK_D"]))
     return pre_launch, dq_launch, dkdv
 
