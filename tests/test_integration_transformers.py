@@ -311,6 +311,7 @@ def test_through_the_triton_interpreter():
         with fasttrans.use_backend("triton"):
             got = twin(**kw).logits[seen]
     _close(got, want, "logits")
+    test_packed_sequences_attend_within_each_sequence(True, None, "triton")
 
 
 # ---------------------------------------------------------------------------------------
@@ -435,7 +436,6 @@ class _Module(torch.nn.Module):
 @pytest.mark.parametrize("kwargs, name", [
     ({"softcap": 50.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "s_aux"), ({"sinks": torch.zeros(4)}, "sinks"),
     ({"output_attentions": True}, "output_attentions"), ({"sliding_window": 4}, "sliding_window"),
-    ({"cu_seq_lens_q": torch.tensor([0, 3, 8])}, "cu_seq_lens_q"),
 ])
 def test_unsupported_arguments_raise_naming_them(kwargs, name):
     q = torch.randn(1, 4, 8, 8)
@@ -469,3 +469,201 @@ def test_importing_fasttrans_does_not_import_transformers():
             "assert not m, m\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# packed sequences (transformers' padding-free batches) and unpadded encoders
+# ---------------------------------------------------------------------------------------
+PACKED = [4, 7, 1, 3]  # tokens per packed sequence
+
+
+def _cumulative(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _per_sequence_sdpa(q, k, v, cu_q, cu_k, causal):
+    outs = []
+    for (a, b), (c, d) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], is_causal=causal, enable_gqa=True))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal, keys", [(False, None), (True, None), (False, [2, 5, 3, 6])],
+                         ids=["bidirectional", "causal", "cross"])
+def test_packed_sequences_attend_within_each_sequence(causal, keys, backend):
+    """cu_seq_lens_q / _k (and max_length_q / _k): each packed sequence attends to its own
+    keys only, grouped-query heads included; outputs and gradients as torch on each
+    sequence alone."""
+    g = torch.Generator().manual_seed(0)
+    cu_q = _cumulative(PACKED)
+    cu_k = cu_q if keys is None else _cumulative(keys)
+    Nq, Nk = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(1, 4, Nq, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, Nk, 8, generator=g, requires_grad=True) for _ in range(2))
+    longest_k = max(keys or PACKED)
+    with fasttrans.use_backend(backend):
+        got, weights = ftt.attention_forward(_Module(), q, k, v, None, is_causal=causal, cu_seq_lens_q=cu_q,
+                                             cu_seq_lens_k=cu_k, max_length_q=max(PACKED), max_length_k=longest_k)
+    want = _per_sequence_sdpa(q, k, v, cu_q, cu_k, causal)
+    assert weights is None and got.shape == (1, Nq, 4, 8)
+    _close(got, want, "packed attention")
+    grad = torch.randn(got.shape, generator=g)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        _close(a, b, f"grad of {name}")
+    # without max_length_* the longest sequence is read from the lengths
+    again, _ = ftt.attention_forward(_Module(), q, k, v, None, is_causal=causal, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+    _close(again, want, "packed attention, lengths read")
+
+
+def _flattened(family: str, sequences):
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    batch = collator([{"input_ids": s.tolist()} for s in sequences])
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_padding_free_batches_match_each_sequence_alone(family, backend, one_thread):
+    """A batch from transformers' DataCollatorWithFlattening (one row of packed sequences,
+    position_ids and the padding-free arguments): logits and every gradient as the eager
+    model run on each sequence alone."""
+    model, twin = _pair(family)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, V, (n,), generator=g) for n in PACKED]
+    weights = torch.randn(sum(PACKED), V, generator=g)
+
+    def run(m, calls):
+        m.zero_grad(set_to_none=True)
+        logits = torch.cat([m(**kw).logits[0] for kw in calls])
+        (logits * weights).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    want, want_grads = run(model, [{"input_ids": s[None]} for s in sequences])
+    with fasttrans.use_backend(backend):
+        got, got_grads = run(twin, [_flattened(family, sequences)])
+    _close(got, want, "logits")
+    assert got_grads.keys() == want_grads.keys()
+    scale = max(gr.abs().max().item() for gr in want_grads.values())
+    for name, gr in want_grads.items():
+        _close(got_grads[name], gr, f"grad of {name}", scale)
+
+
+_Q = torch.zeros(1, 4, 8, 8)
+_CU = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("q, kwargs, name", [
+    (_Q, {"cu_seq_lens_q": _CU}, "cu_seq_lens_k"),
+    (_Q, {"cu_seq_lens_k": _CU}, "cu_seq_lens_q"),
+    (_Q, {"cu_seq_lens_q": _CU.float(), "cu_seq_lens_k": _CU}, "cu_seq_lens_q: expected a 1-D int32 or int64"),
+    (_Q, {"cu_seq_lens_q": _CU, "cu_seq_lens_k": torch.tensor([0, 8], dtype=torch.int32)}, "as many sequences"),
+    (_Q, {"cu_seq_lens_q": torch.tensor([0, 3, 7]), "cu_seq_lens_k": _CU}, "from 0 to the 8 packed tokens"),
+    (_Q, {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 4}, r"longer than max_length \(4\)"),
+    (_Q, {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_k": -1}, "max_length_k: expected a non-negative"),
+    (_Q, {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "position_bias": torch.zeros(1, 4, 8, 8)}, "position_bias"),
+    (_Q.expand(2, -1, -1, -1), {"cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU}, "batch of one"),
+])
+def test_bad_packed_arguments_raise_naming_them(q, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ftt.attention_forward(_Module(), q, q, q, None, **kwargs)
+
+
+def test_causal_packed_sequences_need_the_same_lengths_for_queries_and_keys():
+    q = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ValueError, match="cu_seq_lens_k: causal packed sequences"):
+        ftt.attention_forward(_Module(), q, q, q, None, is_causal=True, cu_seq_lens_q=_CU,
+                              cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32))
+    out, _ = ftt.attention_forward(_Module(), q, q, q, None, is_causal=True, cu_seq_lens_q=_CU,
+                                   cu_seq_lens_k=_CU.clone())  # equal values in another tensor
+    assert out.shape == (1, 8, 4, 8)
+
+
+def _roberta():
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+        initializer_range=0.3)
+    model = transformers.RobertaForMaskedLM(config)
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+def _unpadded_pair(family: str):
+    model = _pair("bert")[0] if family == "bert" else _roberta()
+    twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
+    assert skipped == []
+    return model, twin
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_unpadded_encoders_match_eager_at_real_tokens(family, left, backend, one_thread):
+    """apply(unpad=True): the layers run on the real tokens only. Logits at real tokens and
+    every gradient of a loss over them are eager's; the last hidden state is 0 at the pads."""
+    model, twin = _unpadded_pair(family)
+    kw, _ = _inputs("bert", left)
+    if family == "roberta":
+        kw["input_ids"] = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, 1)
+    real = kw["attention_mask"].bool()
+    want, want_grads = _forward_backward(model, kw, real)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _forward_backward(twin, kw, real)
+        with torch.no_grad():
+            hidden = getattr(twin, family)(**kw).last_hidden_state
+    _close(got, want, "logits")
+    assert got_grads.keys() == want_grads.keys()
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    for name, g in want_grads.items():
+        _close(got_grads[name], g, f"grad of {name}", scale)
+    assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+
+
+def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
+    """Collected hidden states, a 4-D mask that is not padding alone, and a batch without
+    padding take the encoder's own forward."""
+    _, plain = _pair("bert")
+    _, twin = _unpadded_pair("bert")
+    kw, _ = _inputs("bert", left=False)
+    with torch.no_grad():
+        got = twin.bert(**kw, output_hidden_states=True)
+        want = plain.bert(**kw, output_hidden_states=True)
+        assert len(got.hidden_states) == 3
+        for a, b in zip(got.hidden_states, want.hidden_states):
+            assert torch.equal(a, b)
+        hidden = torch.randn(B, L, 32)
+        mask = torch.ones(B, 1, L, L, dtype=torch.bool).tril()  # not padding: rows differ
+        encoder = twin.bert.encoder
+        assert torch.equal(encoder(hidden, mask).last_hidden_state,
+                           type(encoder).forward(encoder, hidden, mask).last_hidden_state)
+        full = torch.ones(B, 1, L, L, dtype=torch.bool)
+        assert torch.equal(encoder(hidden, full).last_hidden_state,
+                           type(encoder).forward(encoder, hidden, full).last_hidden_state)
+
+
+def test_compiled_packed_forward_has_no_graph_break():
+    _, twin = _pair("llama")
+    g = torch.Generator().manual_seed(3)
+    batch = _flattened("llama", [torch.randint(3, V, (n,), generator=g) for n in PACKED])
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**batch).logits, twin(**batch).logits, rtol=0, atol=0)
+
+
+def test_unpad_needs_the_attention_and_an_encoder_it_knows():
+    model, _ = _pair("bert")
+    with pytest.raises(ValueError, match="unpad"):
+        ftt.apply(copy.deepcopy(model), attention=False, unpad=True)
+    llama, _ = _pair("llama")
+    with pytest.warns(UserWarning, match="unpad"):
+        _, skipped = ftt.apply(copy.deepcopy(llama), unpad=True)
+    assert [n for n, why in skipped if "unpad=True" in why] == ["LlamaForCausalLM"]
+    # the state_dict is the model's, and a copy runs unpadded on its own weights
+    _, twin = _unpadded_pair("bert")
+    assert twin.state_dict().keys() == model.state_dict().keys()
+    clone = copy.deepcopy(twin)
+    assert clone.bert.encoder.forward.encoder is clone.bert.encoder

@@ -28,6 +28,10 @@ Whether a 2-D padding mask has padding at all is read only where that needs no
 synchronisation (a CPU tensor, outside tracing); elsewhere the mask is built. The
 attention function reads no tensor value on the host.
 
+Packed sequences (transformers' padding-free ``cu_seq_lens_q`` / ``_k`` arguments, without
+a mask) attend within each sequence. ``apply(model, unpad=True)`` runs BERT-family encoders
+on the real tokens of a padded batch only, through that path.
+
 ``apply(model)`` replaces transformers' RMSNorm classes that compute
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
 :class:`RMSNorm`, and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the
@@ -184,6 +188,80 @@ def _key_lengths(mask: torch.Tensor, batch: int, kv_length: int) -> torch.Tensor
 _lengths_of = mask_translation.TensorMemo()
 
 
+def _max_length(given, lengths: torch.Tensor, name: str) -> int:
+    """The longest sequence: ``given`` (transformers passes a Python int), else read from the
+    lengths, which synchronises with a GPU once."""
+    if given is None:
+        return int(lengths.max()) if lengths.numel() else 0
+    if isinstance(given, torch.Tensor):
+        given = given.item()  # a 0-d tensor (transformers' prepare_fa_kwargs_from_position_ids)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {given!r}")
+    return given
+
+
+def _cumulative_lengths(cu, name: str, device: torch.device) -> torch.Tensor:
+    if (not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2
+            or cu.dtype not in (torch.int32, torch.int64) or cu.device != device):
+        got = (f"{cu.dtype} tensor of shape {tuple(cu.shape)} on {cu.device}" if isinstance(cu, torch.Tensor)
+               else type(cu).__name__)
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor of cumulative sequence lengths "
+                         f"(0, len0, len0 + len1, ...) on {device}, got a {got}")
+    return cu.long()
+
+
+def _padded_rows(cu: torch.Tensor, tokens: int, length: int) -> torch.Tensor:
+    """(tokens,) the row of each packed token in a (sequences * length) padded layout."""
+    position = torch.arange(tokens, device=cu.device)
+    sequence = torch.searchsorted(cu[1:], position, right=True)
+    if cu.device.type != "cpu":  # not read on the host: keep a malformed input in bounds, as key_lengths are
+        sequence = sequence.clamp_(max=cu.numel() - 2)
+    return sequence * length + (position - cu[sequence]).clamp_(0, max(length - 1, 0))
+
+
+def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: float, scaling) -> torch.Tensor:
+    """Attention within each of the sequences packed along the tokens of a batch of one
+    (transformers' padding-free arguments ``cu_seq_lens_q`` / ``_k`` and ``max_length_q`` /
+    ``_k``): the sequences are laid out padded, (sequences, H, longest, D), and run with
+    ``key_lengths``; returns (1, tokens, H, D). Causal packing is self-attention: queries and
+    keys have the same lengths. The lengths are checked where that costs no synchronisation
+    (CPU tensors, outside torch.compile); on a GPU malformed ones are kept in bounds."""
+    if query.shape[0] != 1:
+        raise ValueError(f"query: packed sequences (cu_seq_lens_q) come as a batch of one, got batch "
+                         f"{query.shape[0]}")
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seq_lens_k") is None:
+        missing = "cu_seq_lens_k" if kwargs.get("cu_seq_lens_k") is None else "cu_seq_lens_q"
+        raise ValueError(f"{missing}: packed sequences need both cu_seq_lens_q and cu_seq_lens_k")
+    cu_q = _cumulative_lengths(kwargs["cu_seq_lens_q"], "cu_seq_lens_q", query.device)
+    cu_k = _cumulative_lengths(kwargs["cu_seq_lens_k"], "cu_seq_lens_k", query.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seq_lens_k: expected as many sequences as cu_seq_lens_q ({cu_q.numel() - 1}), got "
+                         f"{cu_k.numel() - 1}")
+    Nq, Nk = query.shape[2], key.shape[2]
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    Lq = _max_length(kwargs.get("max_length_q"), len_q, "max_length_q")
+    Lk = _max_length(kwargs.get("max_length_k"), len_k, "max_length_k")
+    if cu_q.device.type == "cpu" and not torch.compiler.is_compiling():  # free here; a GPU would synchronise
+        for name, cu, lengths, n, longest in (("cu_seq_lens_q", cu_q, len_q, Nq, Lq), ("cu_seq_lens_k", cu_k, len_k, Nk, Lk)):
+            if cu[0] != 0 or cu[-1] != n or bool((lengths < 0).any()) or lengths.max() > longest:
+                raise ValueError(f"{name}: expected cumulative lengths from 0 to the {n} packed tokens, none "
+                                 f"longer than max_length ({longest}), got {cu.tolist()}")
+        if causal and kwargs["cu_seq_lens_q"] is not kwargs["cu_seq_lens_k"] and not torch.equal(cu_q, cu_k):
+            raise ValueError("cu_seq_lens_k: causal packed sequences need the same lengths for queries and keys")
+    B, H, D, Hkv = cu_q.numel() - 1, query.shape[1], query.shape[3], key.shape[1]
+    rows_q, rows_k = _padded_rows(cu_q, Nq, Lq), _padded_rows(cu_k, Nk, Lk)
+
+    def padded(x, rows, heads, length):  # (1, heads, N, D) -> (B, heads, length, D)
+        out = x.new_zeros(B * length, heads, D).index_copy(0, rows, x[0].transpose(0, 1))
+        return out.view(B, length, heads, D).transpose(1, 2)
+
+    out = FT.attention(
+        padded(query, rows_q, H, Lq), padded(key, rows_k, Hkv, Lk), padded(value, rows_k, Hkv, Lk),
+        key_lengths=len_k, is_causal=causal, dropout_p=dropout, scale=None if scaling is None else float(scaling),
+    )
+    return out.transpose(1, 2).reshape(B * Lq, H, D).index_select(0, rows_q).unsqueeze(0)
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -213,8 +291,10 @@ def attention_forward(
                              "transformers' mask function puts the window; build the model with "
                              "attn_implementation='fasttrans' after fasttrans.integrations.transformers.register()")
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-            raise ValueError("cu_seq_lens_q: packed sequences given only as cumulative lengths (no attention mask) "
-                             "are not supported; pass position_ids so that transformers builds their mask")
+            if position_bias is not None:
+                raise ValueError("position_bias: packed sequences (cu_seq_lens_q) with a position bias are not "
+                                 "supported; pad the batch instead")
+            return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling), None
     attn_mask, key_lengths, flag = None, None, False
     if attention_mask is None:
         flag = bool(causal)
@@ -350,7 +430,8 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
     return skipped
 
 
-def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[tuple[str, str]]]:
+def apply(model: nn.Module, *, attention: bool = True,
+          unpad: bool = False) -> tuple[nn.Module, list[tuple[str, str]]]:
     """Move an existing transformers model onto fasttrans, in place.
 
     Replaces its RMS norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm` and its
@@ -358,6 +439,12 @@ def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[
     keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
     ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
     calls :func:`register` and ``model.set_attn_implementation("fasttrans")``.
+
+    With ``unpad`` (and ``attention``), BERT-family encoders (BERT, RoBERTa, XLM-R,
+    CamemBERT, ELECTRA) run their layers on the real tokens of a padded batch only, packed,
+    so their matrix products skip the padding: their outputs at padded positions become
+    zeros (elsewhere they are unchanged) and each forward synchronises with a GPU once to
+    count the real tokens. A model without such an encoder is reported in ``skipped``.
 
     Returns ``(model, skipped)``: skipped lists ``(qualified name, reason)`` for the
     attention and norm modules left as they were (warned about once per call).
@@ -375,6 +462,12 @@ def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[
         if getattr(config, "_attn_implementation", None) != NAME:
             skipped.append((type(model).__name__, "its attention implementation could not be set to 'fasttrans' "
                             "(load it with attn_implementation='fasttrans' after register())"))
+    if unpad:
+        if not attention:
+            raise ValueError("unpad: the unpadded encoders need fasttrans's attention; expected attention=True")
+        if not _unpad_encoders(model):
+            skipped.append((type(model).__name__, "unpad=True found no encoder it can run unpadded (one of "
+                            f"{', '.join(sorted(_UNPADDABLE_ENCODERS))})"))
     skipped += _replace_norms(model)
     with warnings.catch_warnings():  # one warning, below, for everything left
         warnings.simplefilter("ignore", UserWarning)
@@ -385,6 +478,86 @@ def apply(model: nn.Module, *, attention: bool = True) -> tuple[nn.Module, list[
         warnings.warn("fasttrans.integrations.transformers.apply left these modules as they were: "
                       + "; ".join(f"{n} ({why})" for n, why in skipped), UserWarning, stacklevel=2)
     return model, skipped
+
+
+# ---------------------------------------------------------------------------------------
+# unpadded encoders
+# ---------------------------------------------------------------------------------------
+# Encoders whose layers work token by token except through the attention interface (to
+# which they pass their keyword arguments), after absolute positions were added: their
+# layers may run on the real tokens alone, packed.
+_UNPADDABLE_ENCODERS = frozenset({
+    "BertEncoder", "RobertaEncoder", "XLMRobertaEncoder", "CamembertEncoder", "ElectraEncoder",
+})
+
+
+def _capturing_hidden_states() -> bool:
+    """Whether transformers is collecting every layer's hidden states (output_hidden_states),
+    which would collect the packed ones."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "hidden_states" in collected
+
+
+class _UnpaddedEncoderForward:
+    """The ``forward`` of an encoder that runs its layers on the real tokens only.
+
+    Given transformers' bool mask of a padded batch that says padding alone (every query
+    row the same, True on the real keys), the real tokens are packed into a batch of one,
+    the layers run on them with transformers' padding-free arguments (``cu_seq_lens_q`` ...,
+    which :func:`attention_forward` takes), and the result is scattered back with zeros at
+    the pads. Otherwise (no or another mask, cross-attention, a cache, hidden states being
+    collected, torch.compile) it is the encoder's own forward. Reading the number of real
+    tokens synchronises with a GPU once per forward."""
+
+    def __init__(self, encoder: nn.Module):
+        self.encoder = encoder
+
+    def _real_tokens(self, hidden, mask, args, kwargs) -> torch.Tensor | None:
+        if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or hidden.dim() != 3 or args
+                or mask.shape != (hidden.shape[0], 1, hidden.shape[1], hidden.shape[1])):
+            return None
+        if any(kwargs.get(k) is not None for k in ("encoder_hidden_states", "encoder_attention_mask", "cache",
+                                                   "past_key_values", "cu_seq_lens_q", "cu_seq_lens_k")):
+            return None
+        if kwargs.get("use_cache") or torch.compiler.is_compiling() or _capturing_hidden_states():
+            return None
+        return mask[:, 0, 0, :]
+
+    def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
+        encoder = self.encoder
+        forward = type(encoder).forward
+        real = self._real_tokens(hidden_states, attention_mask, args, kwargs)
+        if real is None:
+            return forward(encoder, hidden_states, attention_mask, *args, **kwargs)
+        B, L, E = hidden_states.shape
+        lengths = real.sum(dim=1)
+        padding_only = (attention_mask == real[:, None, None, :]).all()
+        only, total, longest = torch.stack([padding_only.long(), lengths.sum(), lengths.max()]).tolist()
+        if not only or total in (0, B * L):  # another mask, or nothing to skip
+            return forward(encoder, hidden_states, attention_mask, *args, **kwargs)
+        rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        packed = hidden_states.reshape(B * L, E).index_select(0, rows).unsqueeze(0)
+        out = forward(encoder, packed, None, *args, **kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=longest, max_length_k=longest)
+        last = out.last_hidden_state[0]
+        out.last_hidden_state = last.new_zeros(B * L, E).index_copy(0, rows, last).view(B, L, E)
+        return out
+
+
+def _unpad_encoders(model: nn.Module) -> list[str]:
+    """Give every encoder of _UNPADDABLE_ENCODERS (not a decoder) the unpadded forward; the
+    qualified names of those it did."""
+    done = []
+    for name, m in model.named_modules():
+        if type(m).__name__ in _UNPADDABLE_ENCODERS and not getattr(getattr(m, "config", None), "is_decoder", False):
+            m.forward = _UnpaddedEncoderForward(m)
+            done.append(name)
+    return done
 
 
 # The norm classes replacing_norms() may swap at construction, each probed before use:
