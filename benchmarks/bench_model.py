@@ -32,7 +32,8 @@ Sweeps (select with --sweep):
               AdamW in both training steps. Providers: the model with
               attn_implementation="sdpa" (torch [sdpa], the baseline) and "eager" (torch
               [eager]), and fasttrans.integrations.transformers.apply() on a copy
-              (fasttrans's attention and norms), all from the same weights.
+              (fasttrans's attention and norms; for BERT also apply(unpad=True), variant
+              [unpad]: the layers on the real tokens only), all from the same weights.
               tokens/s = batch * 128 / step (padding included) and batch * new tokens / time.
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
@@ -353,12 +354,13 @@ def hf_generate(model, inp, backend: str | None, new_tokens: int):
     return run
 
 
-def hf_fasttrans_copy(model, inp, backend: str):
-    """A copy of ``model`` moved onto fasttrans with ``apply()`` (attention and norms), after
-    checking that it computes what ``model`` does in eval mode on ``backend``."""
+def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
+    """A copy of ``model`` moved onto fasttrans with ``apply()`` (attention and norms; with
+    ``unpad``, BERT's layers on the real tokens only), after checking that it computes what
+    ``model`` does in eval mode on ``backend``, at the real tokens."""
     import fasttrans.integrations.transformers as ftt
 
-    ours, skipped = ftt.apply(copy.deepcopy(model))
+    ours, skipped = ftt.apply(copy.deepcopy(model), unpad=unpad)
     if skipped:
         raise RuntimeError("fasttrans.integrations.transformers.apply left modules as they were: "
                            + "; ".join(f"{name} ({why})" for name, why in skipped))
@@ -374,6 +376,8 @@ def hf_fasttrans_copy(model, inp, backend: str):
     finally:
         ours.train(training)
         model.train(training)
+    real = inp.mask[:2].bool()  # unpad=True leaves the pads' outputs to nothing in particular
+    got, want = got[real], want[real]
     diff = (got.float() - want.float()).abs().max().item()
     tolerance = TWIN_TOLERANCE if want.dtype == torch.float32 else HALF_TWIN_TOLERANCE
     if not diff <= tolerance * max(1.0, want.float().abs().max().item()):
@@ -386,21 +390,23 @@ def hf_fasttrans_copy(model, inp, backend: str):
 HF_TORCH_VARIANTS = ("sdpa", "eager")  # transformers' own attention implementations; sdpa is the baseline
 
 
-def hf_entries(bench: common.Bench, timed, unavailable: str | None) -> list[Entry]:
+def hf_entries(bench: common.Bench, timed, unavailable: str | None, unpad: bool = False) -> list[Entry]:
     """One entry per provider of ``timed(model, inp, backend)``, each on its own copy of the
-    shared model: fasttrans per backend through apply(), torch once per attn_implementation."""
+    shared model: fasttrans per backend through apply() (and, with ``unpad``, through
+    apply(unpad=True) as variant "unpad"), torch once per attn_implementation."""
     entries = []
     for p in bench.providers(None):
         if unavailable and not p.unavailable:
             p = dataclasses.replace(p, unavailable=unavailable)
         if p.backend is not None:
-            def make(inp, backend=p.backend):
-                return timed(hf_fasttrans_copy(inp.model, inp, backend), inp, backend)
-
             # the reference backend is the unfused correctness oracle: --quick checks that it runs
             skip = None if bench.quick or p.backend != "reference" else (
                 "the hf sweep times the fused backends; the reference (the unfused oracle) runs with --quick")
-            entries.append(Entry(p, make, skip=skip))
+            for variant in ("", "unpad") if unpad else ("",):
+                def make(inp, backend=p.backend, variant=variant):
+                    return timed(hf_fasttrans_copy(inp.model, inp, backend, unpad=variant == "unpad"), inp, backend)
+
+                entries.append(Entry(p, make, variant=variant, skip=skip))
         elif p.name == "torch":
             for impl in HF_TORCH_VARIANTS:
                 def make_torch(inp, impl=impl):
@@ -435,8 +441,8 @@ def hf_configs(bench: common.Bench):
         mode="train step", dtype=dtype,
         params=hf_params(bert, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}", mlm=f"{HF_MLM_FRACTION:.0%}"),
         inputs=hf_inputs(bert, batch, seq_len, bench.device, dtype, padding=HF_PADDING),
-        entries=hf_entries(bench, hf_train_step, unavailable), work=float(batch * seq_len), work_unit="token",
-        measure="time+memory", baseline=base,
+        entries=hf_entries(bench, hf_train_step, unavailable, unpad=True), work=float(batch * seq_len),
+        work_unit="token", measure="time+memory", baseline=base,
     )
     yield Config(
         sweep="hf", case=f"Llama-shaped causal LM training step, {llama.layers} layers", op="LlamaForCausalLM",
