@@ -623,8 +623,8 @@ def test_unpadded_encoders_match_eager_at_real_tokens(family, left, backend, one
 
 
 def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
-    """Collected hidden states, a 4-D mask that is not padding alone, and a batch without
-    padding take the encoder's own forward."""
+    """Collected hidden states, a 4-D mask that is not padding alone, a batch without
+    padding and another attention implementation take the encoder's own forward."""
     _, plain = _pair("bert")
     _, twin = _unpadded_pair("bert")
     kw, _ = _inputs("bert", left=False)
@@ -642,6 +642,11 @@ def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
         full = torch.ones(B, 1, L, L, dtype=torch.bool)
         assert torch.equal(encoder(hidden, full).last_hidden_state,
                            type(encoder).forward(encoder, hidden, full).last_hidden_state)
+    # another attention implementation would attend across packed sequences: padded again
+    twin.set_attn_implementation("sdpa")
+    plain.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        _close(twin(**kw).logits, plain(**kw).logits, "logits on sdpa")
 
 
 def test_compiled_packed_forward_has_no_graph_break():

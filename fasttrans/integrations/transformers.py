@@ -510,7 +510,8 @@ class _UnpaddedEncoderForward:
     the layers run on them with transformers' padding-free arguments (``cu_seq_lens_q`` ...,
     which :func:`attention_forward` takes), and the result is scattered back with zeros at
     the pads. Otherwise (no or another mask, cross-attention, a cache, hidden states being
-    collected, torch.compile) it is the encoder's own forward. Reading the number of real
+    collected, torch.compile or tracing, an attention implementation other than
+    ``"fasttrans"``) it is the encoder's own forward. Reading the number of real
     tokens synchronises with a GPU once per forward."""
 
     def __init__(self, encoder: nn.Module):
@@ -523,7 +524,13 @@ class _UnpaddedEncoderForward:
         if any(kwargs.get(k) is not None for k in ("encoder_hidden_states", "encoder_attention_mask", "cache",
                                                    "past_key_values", "cu_seq_lens_q", "cu_seq_lens_k")):
             return None
-        if kwargs.get("use_cache") or torch.compiler.is_compiling() or _capturing_hidden_states():
+        if kwargs.get("use_cache") or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None
+        # the layers' attention must take the packed arguments (another implementation would
+        # attend across the packed sequences), and nothing may collect the packed states
+        if getattr(getattr(self.encoder, "config", None), "_attn_implementation", None) != NAME:
+            return None
+        if _capturing_hidden_states():
             return None
         return mask[:, 0, 0, :]
 
@@ -544,8 +551,11 @@ class _UnpaddedEncoderForward:
         packed = hidden_states.reshape(B * L, E).index_select(0, rows).unsqueeze(0)
         out = forward(encoder, packed, None, *args, **kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                       max_length_q=longest, max_length_k=longest)
-        last = out.last_hidden_state[0]
-        out.last_hidden_state = last.new_zeros(B * L, E).index_copy(0, rows, last).view(B, L, E)
+        last = (out[0] if isinstance(out, tuple) else out.last_hidden_state)[0]
+        last = last.new_zeros(B * L, E).index_copy(0, rows, last).view(B, L, E)
+        if isinstance(out, tuple):
+            return (last, *out[1:])
+        out.last_hidden_state = last
         return out
 
 
