@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_PREPROCESS_CONFIGS_FP32", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_PREPROCESS_CONFIGS_FP32", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -43,7 +43,7 @@ FWD_CONFIGS = {
         (64, "heavy"): [_cfg(64, 64, 4, 2)],
         (128, "light"): [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 2)],
         (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
-        (256, "light"): [_cfg(64, 32, 4, 2), _cfg(128, 64, 8, 2)],
+        (256, "light"): [_cfg(128, 32, 8, 1), _cfg(128, 64, 8, 2)],
         (256, "heavy"): [_cfg(64, 16, 4, 1)],
     },
     "sm_80": {
@@ -62,7 +62,7 @@ BWD_DKDV_CONFIGS = {
         (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
         (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 8, 1), _cfg(16, 128, 8, 1)],
+        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 128, 8, 1)],
         (256, "light"): [_cfg(16, 64, 8, 2)],
         (256, "heavy"): [_cfg(16, 64, 8, 2)],
     },
@@ -70,7 +70,7 @@ BWD_DKDV_CONFIGS = {
         (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
         (64, "heavy"): [_cfg(16, 64, 4, 1)],
         (128, "light"): [_cfg(16, 128, 8, 2), _cfg(32, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 8, 2), _cfg(16, 32, 4, 2)],
+        (128, "heavy"): [_cfg(16, 32, 4, 2)],
         (256, "light"): [_cfg(16, 64, 8, 1)],
         (256, "heavy"): [_cfg(16, 16, 4, 1)],
     },
@@ -136,7 +136,7 @@ BWD_DKDV_CONFIGS_FP32 = {
         (256, "heavy"): [_cfg(16, 32, 4, 1)],
     },
     "sm_80": {
-        (64, "light"): [_cfg(16, 64, 8, 1), _cfg(16, 32, 4, 1)],
+        (64, "light"): [_cfg(16, 32, 4, 1)],
         (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 32, 8, 1)],
         (128, "light"): [_cfg(16, 16, 4, 1), _cfg(32, 16, 8, 1)],
         (128, "heavy"): [_cfg(16, 32, 4, 1)],
@@ -146,7 +146,7 @@ BWD_DKDV_CONFIGS_FP32 = {
 }
 BWD_DQ_CONFIGS_FP32 = {
     "sm_90": {
-        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
+        (64, "light"): [_cfg(128, 64, 8, 1), _cfg(128, 32, 8, 2)],
         (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 1)],
         (128, "light"): [_cfg(16, 32, 4, 1)],
         (128, "heavy"): [_cfg(16, 16, 8, 1)],
@@ -162,6 +162,34 @@ BWD_DQ_CONFIGS_FP32 = {
         (256, "heavy"): [_cfg(16, 16, 4, 1)],
     },
 }
+# Triton 3.6's ptxas (the Triton of torch 2.11) spills in these classes' entries above,
+# where 3.9's does not: below Triton 3.9 they take the entries compile-check builds without
+# spills under 3.6. (table name, architecture, class) -> the entries.
+BEFORE_TRITON_3_9 = {
+    ("FWD_CONFIGS", "sm_90", (256, "light")): [_cfg(128, 32, 8, 1)],
+    ("FWD_CONFIGS", "sm_90", (256, "heavy")): [_cfg(64, 16, 8, 1)],
+    ("FWD_CONFIGS", "sm_80", (256, "heavy")): [_cfg(16, 32, 4, 1)],
+    ("FWD_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
+    ("FWD_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
+    ("FWD_CONFIGS_FP32", "sm_80", (256, "light")): [_cfg(16, 16, 8, 1)],
+    ("FWD_CONFIGS_FP32", "sm_80", (256, "heavy")): [_cfg(16, 16, 8, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (64, "heavy")): [_cfg(32, 64, 4, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (128, "light")): [_cfg(32, 128, 8, 2), _cfg(16, 64, 4, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (128, "heavy")): [_cfg(16, 32, 4, 1)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(32, 128, 8, 1), _cfg(16, 128, 8, 2)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 32, 4, 2), _cfg(16, 16, 4, 1)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (256, "heavy")): [_cfg(16, 32, 8, 1)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_80", (64, "heavy")): [_cfg(16, 32, 8, 1), _cfg(16, 16, 4, 1)],
+    ("BWD_DQ_CONFIGS", "sm_90", (256, "light")): [_cfg(32, 32, 4, 2)],
+    ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 1)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 16, 4, 1)],
+}
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if TRITON_VERSION < (3, 9):
+    for (_table, _arch, _class), _entries in BEFORE_TRITON_3_9.items():
+        globals()[_table][_arch][_class] = list(_entries)
+    del _table, _arch, _class, _entries
+
 _BOTH = {(256, "light"), (256, "heavy")}
 FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
     "fwd": {"sm_90": _BOTH, "sm_80": _BOTH},

@@ -18,7 +18,7 @@ from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
     FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_PREPROCESS_CONFIGS_FP32,
-    DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, dkdv_outputs,
+    DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, TRITON_VERSION, dkdv_outputs,
 )
 
 __all__ = ["compile_targets", "LOOP_GOALS"]
@@ -88,7 +88,9 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     if name in _LOOP_KERNELS:
         target["loop_scores"] = cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
         goal = LOOP_GOALS.get((name, dclass, weight))
-        if goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs:
+        # the goals are counts of Triton 3.9's SASS; older compilers' loops are reported, not held
+        if (goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs
+                and TRITON_VERSION >= (3, 9)):
             target["loop_goal"] = goal
     if matmul and _wgmma_rows(name, cfg) < 64:
         target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too

@@ -791,6 +791,37 @@ def test_dq_tiles_lie_within_one_preprocess_block():
     assert interp["preprocess"].kwargs["BLOCK_M"] % interp["dq"].kwargs["BLOCK_M"] == 0
 
 
+def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
+    """Below Triton 3.9 the classes of BEFORE_TRITON_3_9 take its entries (compile-checked with
+    3.6, whose ptxas spills in the 3.9 entries): each names a class of a table, and the dQ
+    tile rule holds for its dQ entries; with 3.9 the tables are unchanged."""
+    import importlib.util
+
+    import triton
+
+    from fasttrans.kernels import _attention_configs as C
+
+    path = C.__file__
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    spec = importlib.util.spec_from_file_location("fasttrans.kernels._configs_as_on_3_6", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    assert old.TRITON_VERSION == (3, 6) and C.TRITON_VERSION >= (3, 9)
+    for (table, arch, cls), entries in C.BEFORE_TRITON_3_9.items():
+        assert cls in getattr(C, table)[arch], (table, arch, cls)
+        assert entries and all(isinstance(e, triton.Config) for e in entries)
+        assert getattr(old, table)[arch][cls] == entries
+        assert getattr(C, table)[arch][cls] != entries, (table, arch, cls)  # 3.9 keeps its own
+        if table.startswith("BWD_DQ"):
+            pre = old.BWD_PREPROCESS_CONFIGS_FP32 if table.endswith("FP32") else old.BWD_PREPROCESS_CONFIGS
+            assert all(pre[cls[0]].kwargs["BLOCK_M"] % e.kwargs["BLOCK_M"] == 0 for e in entries)
+    changed = {(t, a, c) for t in ("FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32",
+                                   "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32")
+               for a, classes in getattr(C, t).items() for c in classes
+               if getattr(C, t)[a][c] != getattr(old, t)[a][c]}
+    assert changed == set(C.BEFORE_TRITON_3_9)
+
+
 def test_fp32_ieee_classes_are_the_large_head_dims():
     """IEEE fp32 is the exception: only classes at head dim 128 (masked) and 256."""
     for stage, archs in K.FP32_IEEE_CLASSES.items():
