@@ -611,6 +611,29 @@ def test_unpadded_encoders_match_eager_at_real_tokens(family, left, backend, one
     assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
 
 
+@pytest.mark.parametrize("family", ["XLMRoberta", "Camembert", "Electra"])
+def test_every_listed_encoder_runs_unpadded(family, one_thread):
+    """The other encoders apply(unpad=True) lists: logits at real tokens are eager's and the
+    last hidden state is 0 at the pads (so the packed path ran)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+        **({"embedding_size": 32} if family == "Electra" else {}))
+    model = getattr(transformers, f"{family}ForMaskedLM")(config)
+    model.set_attn_implementation("eager")
+    model.eval()
+    twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
+    assert skipped == []
+    kw, _ = _inputs("bert", left=False)
+    kw["input_ids"] = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, 1)
+    real = kw["attention_mask"].bool()
+    with torch.no_grad():
+        _close(twin(**kw).logits[real], model(**kw).logits[real], "logits")
+        hidden = twin.base_model(**kw).last_hidden_state
+    assert torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+
+
 def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
     """Collected hidden states, a 4-D mask that is not padding alone, a batch without
     padding and another attention implementation take the encoder's own forward."""
