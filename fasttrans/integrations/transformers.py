@@ -242,7 +242,8 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     Lq = _max_length(kwargs.get("max_length_q"), len_q, "max_length_q")
     Lk = _max_length(kwargs.get("max_length_k"), len_k, "max_length_k")
     if cu_q.device.type == "cpu" and not torch.compiler.is_compiling():  # free here; a GPU would synchronise
-        for name, cu, lengths, n, longest in (("cu_seq_lens_q", cu_q, len_q, Nq, Lq), ("cu_seq_lens_k", cu_k, len_k, Nk, Lk)):
+        for name, cu, lengths, n, longest in (("cu_seq_lens_q", cu_q, len_q, Nq, Lq),
+                                              ("cu_seq_lens_k", cu_k, len_k, Nk, Lk)):
             if cu[0] != 0 or cu[-1] != n or bool((lengths < 0).any()) or lengths.max() > longest:
                 raise ValueError(f"{name}: expected cumulative lengths from 0 to the {n} packed tokens, none "
                                  f"longer than max_length ({longest}), got {cu.tolist()}")
