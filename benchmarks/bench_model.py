@@ -376,7 +376,7 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
     finally:
         ours.train(training)
         model.train(training)
-    real = inp.mask[:2].bool()  # unpad=True leaves the pads' outputs to nothing in particular
+    real = inp.mask[:2].bool()  # compared at the real tokens: unpad=True gives the pads hidden states of 0
     got, want = got[real], want[real]
     diff = (got.float() - want.float()).abs().max().item()
     tolerance = TWIN_TOLERANCE if want.dtype == torch.float32 else HALF_TWIN_TOLERANCE

@@ -569,19 +569,20 @@ def test_causal_packed_sequences_need_the_same_lengths_for_queries_and_keys():
     assert out.shape == (1, 8, 4, 8)
 
 
-def _roberta():
+def _masked_lm(family: str):
+    """A small eager ``{family}ForMaskedLM`` of the RoBERTa-like families (pad token 1)."""
     torch.manual_seed(0)
-    config = transformers.RobertaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
-        initializer_range=0.3)
-    model = transformers.RobertaForMaskedLM(config)
+        initializer_range=0.3, **({"embedding_size": 32} if family == "Electra" else {}))
+    model = getattr(transformers, f"{family}ForMaskedLM")(config)
     model.set_attn_implementation("eager")
     return model.eval()
 
 
 def _unpadded_pair(family: str):
-    model = _pair("bert")[0] if family == "bert" else _roberta()
+    model = _pair("bert")[0] if family == "bert" else _masked_lm("Roberta")
     twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
     assert skipped == []
     return model, twin
@@ -615,14 +616,7 @@ def test_unpadded_encoders_match_eager_at_real_tokens(family, left, backend, one
 def test_every_listed_encoder_runs_unpadded(family, one_thread):
     """The other encoders apply(unpad=True) lists: logits at real tokens are eager's and the
     last hidden state is 0 at the pads (so the packed path ran)."""
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
-        **({"embedding_size": 32} if family == "Electra" else {}))
-    model = getattr(transformers, f"{family}ForMaskedLM")(config)
-    model.set_attn_implementation("eager")
-    model.eval()
+    model = _masked_lm(family)
     twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
     assert skipped == []
     kw, _ = _inputs("bert", left=False)

@@ -189,8 +189,8 @@ _lengths_of = mask_translation.TensorMemo()
 
 
 def _max_length(given, lengths: torch.Tensor, name: str) -> int:
-    """The longest sequence: ``given`` (transformers passes a Python int), else read from the
-    lengths, which synchronises with a GPU once."""
+    """The longest sequence: ``given`` (transformers' collator passes a Python int); a tensor
+    given, or none (then read from the lengths), synchronises with a GPU once."""
     if given is None:
         return int(lengths.max()) if lengths.numel() else 0
     if isinstance(given, torch.Tensor):
