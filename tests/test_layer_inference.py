@@ -286,6 +286,56 @@ def test_module_path_where_the_fused_call_does_not_apply(kind, setup):
     assert out.shape == inputs[0].shape and out.isfinite().all()
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "attention"])
+def test_subclasses_run_their_own_code(kind):
+    """A subclass may override a block the fused ops reproduce: only the exact classes take them."""
+
+    class Encoder(fnn.TransformerEncoderLayer):
+        def _ff_block(self, x):
+            return -super()._ff_block(x)
+
+    class Decoder(fnn.TransformerDecoderLayer):
+        def _ff_block(self, x):
+            return -super()._ff_block(x)
+
+    class Attention(fnn.MultiheadAttention):
+        def _in_projection(self, *args):
+            q, k, v = super()._in_projection(*args)
+            return q, k, -v
+
+    if kind == "attention":
+        module = Attention(E, H, dropout=0.0, batch_first=True).eval()
+        (x,) = _inputs("encoder", True)
+        inputs = (x, x, x)
+        run = lambda m: m(*inputs, need_weights=False)[0]  # noqa: E731
+        exact = fnn.MultiheadAttention(E, H, dropout=0.0, batch_first=True).eval()
+    else:
+        module = _layer(kind, dropout=0.0)
+        exact = copy.deepcopy(module)
+        module.__class__ = Encoder if kind == "encoder" else Decoder
+        inputs = _inputs(kind, True)
+        run = lambda m: m(*inputs)  # noqa: E731
+    exact.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        out, ops = fasttrans_ops_run(lambda: run(module))
+        assert (MHA_OP if kind == "attention" else OP) not in ops
+        want = run(module.train())  # training with no dropout: the module path, no fused call
+        assert not torch.allclose(run(exact), want)  # the override changes the result
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+def test_the_modules_do_not_import_the_fused_path():
+    """nn/transformer.py and nn/attention.py leave the fused path to fasttrans.nn.fused_inference.install."""
+    import ast
+    from pathlib import Path
+
+    for name in ("transformer", "attention"):
+        tree = ast.parse((Path(fnn.__file__).parent / f"{name}.py").read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for alias in node.names}
+        assert not any("fused_inference" in n for n in imported), (name, imported)
+
+
 @pytest.mark.parametrize("case", ["input needs a gradient", "float mask needs a gradient"])
 def test_gradients_of_inputs_keep_the_module_path(case):
     layer = _layer("encoder").requires_grad_(False)

@@ -11,6 +11,9 @@ from .transformer import (
     TransformerEncoderLayer,
 )
 from .embedding import PositionalEncoding, TokenEmbedding
+from . import fused_inference
+
+fused_inference.install()
 
 __all__ = [
     "MultiheadAttention",

@@ -33,7 +33,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import functional as FT
-from . import fused_inference, mask_translation
+from . import mask_translation
 from ._pinning import pinnable
 from ._script import NotScriptable
 
@@ -185,6 +185,11 @@ class MultiheadAttention(NotScriptable, Module):
     # ----------------------------------------------------------------------------------
     # forward
     # ----------------------------------------------------------------------------------
+    def _fused_inference(self, *args) -> tuple[Tensor, Tensor | None] | None:
+        """This forward in one extension call, or None where the forward must run itself;
+        importing fasttrans.nn replaces it (fasttrans/nn/fused_inference.py)."""
+        return None
+
     @pinnable
     def forward(
         self,
@@ -231,8 +236,8 @@ class MultiheadAttention(NotScriptable, Module):
         H = self.num_heads
 
         # inference: one extension call where it computes this path's result
-        fused = fused_inference.multihead_attention(
-            self, query, key, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
+        fused = self._fused_inference(
+            query, key, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
             qkv_same, kv_same, seq_first, N, L, S)
         if fused is not None:
             out, weights = fused
@@ -479,5 +484,3 @@ class MultiheadAttention(NotScriptable, Module):
             p = F.dropout(p, p=dropout_p)
         return p @ v, p
 
-
-fused_inference.FUSABLE_ATTENTION.add(MultiheadAttention)

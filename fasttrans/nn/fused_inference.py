@@ -36,6 +36,14 @@ Incremental decoding (fasttrans.models.decoding) runs each decoder layer's step 
 under the same conditions: :func:`decoder_layer_step` calls
 ``fasttrans::decoder_layer_step_fwd_extension``, which also writes the new positions' keys
 and values into the layer's cache.
+
+The modules do not import this module: importing ``fasttrans.nn`` sets each class's
+``_fused_inference`` attribute to the function here that reproduces its forward, and the
+forward takes the result unless it is None. This is a second copy of those forwards, in
+C++: a change to ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` (``forward``,
+``_sa_block``, ``_mha_block``, ``_ff_block``), ``MultiheadAttention.forward``, ``_add_norm``
+or the decoding step changes ``csrc/layer_cpu.cpp`` and the checks here with it;
+``tests/test_layer_inference.py`` holds the two bit for bit.
 """
 
 from __future__ import annotations
@@ -47,15 +55,12 @@ from torch.nn import Linear, Module
 
 from .. import functional as FT
 from . import mask_translation
+from .attention import MultiheadAttention
 from .dropout import Dropout
 from .normalization import LayerNorm
+from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
-__all__ = ["encoder_layer", "decoder_layer", "decoder_layer_step", "multihead_attention", "FUSABLE_ATTENTION"]
-
-# The MultiheadAttention classes whose forward the fused ops reproduce; fasttrans.nn.attention
-# adds its own (this module cannot import it: that module calls this one). Exact types only:
-# a subclass may override what the ops would skip.
-FUSABLE_ATTENTION: set[type] = set()
+__all__ = ["encoder_layer", "decoder_layer", "decoder_layer_step", "multihead_attention", "install"]
 
 _RELU, _GELU, _GELU_TANH = 0, 1, 2  # the op's activation codes
 
@@ -93,7 +98,7 @@ def _attention_supported(m: Module) -> bool:
 
 def _attention_ok(m: Module, E: int) -> bool:
     """A layer's attention part: also exactly fasttrans's class, E features, no hooks or pin."""
-    return type(m) in FUSABLE_ATTENTION and m.embed_dim == E and _attention_supported(m) and _plain(m)
+    return type(m) is MultiheadAttention and m.embed_dim == E and _attention_supported(m) and _plain(m)
 
 
 def _attention_parameters(m: Module) -> tuple:
@@ -136,11 +141,15 @@ _DECODER_PARTS = (("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3"),
                   ("dropout", "dropout1", "dropout2", "dropout3"))
 
 
+# Exact types only: a subclass may override what the ops reproduce (_sa_block, _ff_block, ...).
+_LAYERS = (TransformerEncoderLayer, TransformerDecoderLayer)
+
+
 def _layer_parts(layer: Module, x: Tensor, parts: tuple, kind: str = "layer"):
     """(op, attention modules, linear1, linear2, norms, activation code) when the layer may
     take the fused call on x (see the module docstring), else None. kind: the op's, as
     :func:`fasttrans.functional.inference_op` names it."""
-    if layer.training or not _input_ok(x) or x.dim() not in (2, 3):
+    if type(layer) not in _LAYERS or layer.training or not _input_ok(x) or x.dim() not in (2, 3):
         return None
     op = FT.inference_op(kind, x)
     if op is None or torch.is_autocast_enabled("cpu"):
@@ -262,7 +271,7 @@ def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_
     ops do not compute (:func:`_attention_supported`), a key that is not the value, gradients,
     autocast (and what functional.inference_op refuses). Hooks and a backend pin
     on the module itself are served by its __call__ and forward already."""
-    if not kv_same or not _attention_supported(mha):
+    if type(mha) is not MultiheadAttention or not kv_same or not _attention_supported(mha):
         return None
     op = FT.inference_op("attention", query)
     if op is None or torch.is_autocast_enabled("cpu"):
@@ -278,3 +287,11 @@ def multihead_attention(mha, query: Tensor, key: Tensor, key_padding_mask, attn_
     output, weights = op(query, None if qkv_same else key, *parameters, masks.attn_mask, masks.key_lengths,
                          masks.is_causal, mha.num_heads, seq_first, need_weights, average_attn_weights)
     return output, (weights if need_weights else None)
+
+
+def install() -> None:
+    """Give the modules their fused inference: they reach this module only through these class
+    attributes, so that they need not import it (fasttrans.nn calls this on import)."""
+    TransformerEncoderLayer._fused_inference = encoder_layer
+    TransformerDecoderLayer._fused_inference = decoder_layer
+    MultiheadAttention._fused_inference = multihead_attention

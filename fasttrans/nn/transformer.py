@@ -38,7 +38,7 @@ from torch.nn import Linear, Module, ModuleList
 from torch.nn.init import xavier_uniform_
 
 from .. import functional as FT
-from . import fused_inference, mask_translation
+from . import mask_translation
 from ._pinning import pinnable
 from ._script import NotScriptable
 from .attention import MultiheadAttention
@@ -179,6 +179,11 @@ class TransformerEncoderLayer(NotScriptable, Module):
         if not hasattr(self, "activation"):
             self.activation = F.relu
 
+    def _fused_inference(self, *args) -> Tensor | None:
+        """This forward in one extension call, or None where the forward must run itself;
+        importing fasttrans.nn replaces it (fasttrans/nn/fused_inference.py)."""
+        return None
+
     @pinnable
     def forward(
         self,
@@ -197,7 +202,7 @@ class TransformerEncoderLayer(NotScriptable, Module):
         warned = mask_translation.check_mask_pair(src_key_padding_mask, src_mask, "src_key_padding_mask", "src_mask")
         x = src
         with mask_translation.quiet_mask_warnings(warned):
-            fused = fused_inference.encoder_layer(self, src, src_mask, src_key_padding_mask, is_causal)
+            fused = self._fused_inference(src, src_mask, src_key_padding_mask, is_causal)
             if fused is not None:
                 return fused
             if self.norm_first:
@@ -273,6 +278,11 @@ class TransformerDecoderLayer(NotScriptable, Module):
             state["activation"] = F.relu
         super().__setstate__(state)
 
+    def _fused_inference(self, *args) -> Tensor | None:
+        """This forward in one extension call, or None where the forward must run itself;
+        importing fasttrans.nn replaces it (fasttrans/nn/fused_inference.py)."""
+        return None
+
     @pinnable
     def forward(
         self,
@@ -293,8 +303,8 @@ class TransformerDecoderLayer(NotScriptable, Module):
             tgt_key_padding_mask: (N, T); memory_key_padding_mask: (N, S); bool True = padding.
             tgt_is_causal, memory_is_causal: hints that the masks are causal (masks still required).
         """
-        fused = fused_inference.decoder_layer(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                         memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        fused = self._fused_inference(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                      memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         if fused is not None:
             return fused
         x = tgt
