@@ -43,9 +43,11 @@ gradient of the residual: ∂h/∂x = ∂h/∂r = 1).
 dx is fused per row. dW and dB are reduced deterministically in two stages, with no atomics
 and no locks: stage 1 gives program p a fixed contiguous block of rows and writes its fp32
 column sums to row p of a (P, N) partial buffer (P about the number of resident programs
-the GPU holds); stage 2 sums the P partials of each column in a fixed order. Rows longer
-than MAX_FUSED_N_BWD first get their two row sums (Σ dxhat · xhat, Σ dxhat) from a chunked
-pass, then stage 1 runs over (row block × column chunk) tiles that only read those sums.
+the GPU holds); stage 2 sums the P partials of each column in a fixed order. For rows
+longer than MAX_FUSED_N_BWD, stage 1 first walks each of its rows in chunks for the row
+sums (Σ dxhat · xhat, Σ dxhat, Σ xhat), stores them, then walks its rows again chunk by
+chunk: the two reads of a split forward, and the backward stays two launches (one when a
+single program owns every row and the parameters are fp32: the partials are dW and dB).
 
 Launch configurations (below) follow from the register and spill counts ptxas reports for
 sm_80 and sm_90 (``compile_targets()``, checked by ``python -m fasttrans compile-check``);
@@ -76,8 +78,13 @@ MAX_FUSED_N = 16384  # longest row the forward holds in registers (16 warps x 12
 # The backward holds more per element (xhat, dxhat and two dW/dB accumulators): at 8192,
 # every warp count from 8 to 32 spills on sm_80 or sm_90 for some dtype.
 MAX_FUSED_N_BWD = 4096
-SPLIT_BLOCK_N = 4096  # column chunk of the split-row paths
+SPLIT_BLOCK_N = 4096  # column chunk of the split-row forward
 SPLIT_NUM_WARPS = 16
+# The split backward walks its rows twice in one program (row sums, then dx and dW/dB by
+# column chunk). With 4096-column chunks ptxas gives it up to 128 registers at 16 warps (one
+# program per SM) and spills at 32 warps (Triton 3.6, sm_80); 2048 columns, 4 elements per
+# thread per tensor, keep it within 64 registers with no spills: two programs per SM.
+SPLIT_BWD_BLOCK_N = 2048
 MIN_BLOCK_N = 64  # narrower rows are padded: one configuration serves every N ≤ 64
 TILE_ELEMENTS = 1024  # small rows are packed BLOCK_M to a program until a tile has this many
 REDUCE_TILE_ELEMENTS = 2048  # stage-2 dW/dB tile (partials x columns), 16 per thread
@@ -133,7 +140,7 @@ def fwd_config(N: int) -> NormConfig:
 def bwd_config(N: int) -> NormConfig:
     """Backward (dx and dW/dB partials) configuration for rows of N elements."""
     if N > MAX_FUSED_N_BWD:
-        return NormConfig(1, SPLIT_BLOCK_N, SPLIT_NUM_WARPS, split=True)
+        return NormConfig(1, SPLIT_BWD_BLOCK_N, SPLIT_NUM_WARPS, split=True)
     return _fused_config(N, backward=True)
 
 
@@ -335,93 +342,65 @@ def _norm_fwd_split_kernel(
 
 
 @triton.jit
-def _norm_bwd_row_sums_kernel(
-    H,  # h = x + r (or x), (M, N), row stride stride_h_m
-    W,  # weight, (N,) (unused unless HAS_WEIGHT)
-    DY,  # gradient of y, (M, N)
-    MEAN,  # (M,) fp32 (unused when IS_RMS)
-    RSTD,  # (M,) fp32
-    SUM_DXHAT_XHAT,  # out: (M,) fp32, Σ dxhat · xhat per row (xhat re-centred for LayerNorm)
-    SUM_DXHAT,  # out: (M,) fp32, Σ dxhat per row (unused when IS_RMS)
-    SUM_XHAT,  # out: (M,) fp32, Σ xhat per row (unused when IS_RMS)
-    stride_h_m,
-    stride_dy_m,
-    N,
-    BLOCK_N: tl.constexpr,  # column chunk; one program per row
+def _norm_bwd_row_sums(
+    H, W, DY, MEAN, RSTD,  # as in _norm_bwd_kernel
+    SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT,  # out: (M,) fp32 row sums, as in _norm_bwd_kernel
+    stride_h_m, stride_dy_m, N,
+    row_start, row_end,  # the program's rows
+    BLOCK_N: tl.constexpr,  # column chunk
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
 ):
-    # the row reductions of the backward, for rows too long to hold in registers; for
-    # LayerNorm, SUM_DXHAT_XHAT is taken over xhat - mean(xhat) (see _norm_bwd_kernel)
-    row = tl.program_id(0).to(tl.int64)
+    # the row reductions of the backward, for rows too long to hold in registers: each row
+    # walked in chunks; for LayerNorm, SUM_DXHAT_XHAT is taken over xhat - mean(xhat)
     cols = tl.arange(0, BLOCK_N)
-    rstd = tl.load(RSTD + row)
-    mean = 0.0
-    if not IS_RMS:
-        mean = tl.load(MEAN + row)
-    acc_dxhat_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_dxhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        c = start + cols
-        mask = c < N
-        h = tl.load(H + row * stride_h_m + c, mask=mask, other=0.0).to(tl.float32)
-        dxhat = tl.load(DY + row * stride_dy_m + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            dxhat = dxhat * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        acc_dxhat_xhat += dxhat * xhat
-        acc_dxhat += dxhat
-        acc_xhat += xhat
-    if IS_RMS:
-        tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0))
-    else:
-        sum_dxhat = tl.sum(acc_dxhat, axis=0)
-        sum_xhat = tl.sum(acc_xhat, axis=0)
-        # Σ dxhat · (xhat - mean(xhat)) = Σ dxhat · xhat - mean(xhat) · Σ dxhat
-        tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0) - sum_xhat / N * sum_dxhat)
-        tl.store(SUM_DXHAT + row, sum_dxhat)
-        tl.store(SUM_XHAT + row, sum_xhat)
+    stride_h_m = stride_h_m.to(tl.int64)  # row offsets in int64
+    stride_dy_m = stride_dy_m.to(tl.int64)
+    for row in range(row_start, row_end):
+        rstd = tl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(MEAN + row)
+        acc_dxhat_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_dxhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_xhat = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = c < N
+            h = tl.load(H + row * stride_h_m + c, mask=mask, other=0.0).to(tl.float32)
+            dxhat = tl.load(DY + row * stride_dy_m + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                dxhat = dxhat * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            acc_dxhat_xhat += dxhat * xhat
+            acc_dxhat += dxhat
+            acc_xhat += xhat
+        if IS_RMS:
+            tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0))
+        else:
+            sum_dxhat = tl.sum(acc_dxhat, axis=0)
+            sum_xhat = tl.sum(acc_xhat, axis=0)
+            # Σ dxhat · (xhat - mean(xhat)) = Σ dxhat · xhat - mean(xhat) · Σ dxhat
+            tl.store(SUM_DXHAT_XHAT + row, tl.sum(acc_dxhat_xhat, axis=0) - sum_xhat / N * sum_dxhat)
+            tl.store(SUM_DXHAT + row, sum_dxhat)
+            tl.store(SUM_XHAT + row, sum_xhat)
 
 
 @triton.jit
-def _norm_bwd_kernel(
-    H,  # h = x + r (or x), (M, N), row stride stride_h_m
-    W,  # weight, (N,) (unused unless HAS_WEIGHT)
-    DY,  # gradient of y, (M, N)
-    DH,  # gradient flowing into the h output, (M, N) (unused unless HAS_DH)
-    DX,  # out: gradient of h (= of x and of the residual), (M, N) in H's dtype
-    MEAN,  # (M,) fp32 (unused when IS_RMS)
-    RSTD,  # (M,) fp32
-    SUM_DXHAT_XHAT,  # (M,) fp32 row sums from _norm_bwd_row_sums_kernel (unused unless SPLIT)
-    SUM_DXHAT,  # (M,) fp32 (unused unless SPLIT and not IS_RMS)
-    SUM_XHAT,  # (M,) fp32 (unused unless SPLIT and not IS_RMS)
-    DW_PARTIAL,  # out: (P, N) fp32, row p = Σ dy · xhat over program p's rows (unused unless HAS_WEIGHT)
-    DB_PARTIAL,  # out: (P, N) fp32, row p = Σ dy over program p's rows (unused unless HAS_BIAS)
-    stride_h_m,
-    stride_dy_m,
-    stride_dh_m,
-    stride_dx_m,
-    M,
-    N,
-    rows_per_program,  # a multiple of BLOCK_M: program p owns rows [p·rows_per_program, ...)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # ≥ N, or a column chunk when SPLIT
-    SPLIT: tl.constexpr,  # row sums come precomputed; axis 1 of the grid walks column chunks
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_DH: tl.constexpr,
+def _norm_bwd_columns(
+    H, W, DY, DH, DX, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, DW_PARTIAL, DB_PARTIAL,  # as in _norm_bwd_kernel
+    strides,  # (stride_h_m, stride_dy_m, stride_dh_m, stride_dx_m)
+    N, pid, row_start, row_end,  # program pid owns rows [row_start, row_end)
+    cols,  # (BLOCK_N,) the columns: the whole row, or one chunk of it when SPLIT
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # dx of the program's rows at these columns, and their dW/dB partial sums
+    stride_h_m, stride_dy_m, stride_dh_m, stride_dx_m = strides
     col_mask = cols < N
     # per-program partial sums, reduced over the tile's rows only once at the end
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
     for block_start in range(row_start, row_end, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
@@ -477,6 +456,53 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
+def _norm_bwd_kernel(
+    H,  # h = x + r (or x), (M, N), row stride stride_h_m
+    W,  # weight, (N,) (unused unless HAS_WEIGHT)
+    DY,  # gradient of y, (M, N)
+    DH,  # gradient flowing into the h output, (M, N) (unused unless HAS_DH)
+    DX,  # out: gradient of h (= of x and of the residual), (M, N) in H's dtype
+    MEAN,  # (M,) fp32 (unused when IS_RMS)
+    RSTD,  # (M,) fp32
+    SUM_DXHAT_XHAT,  # workspace: (M,) fp32, Σ dxhat · xhat per row (unused unless SPLIT)
+    SUM_DXHAT,  # workspace: (M,) fp32, Σ dxhat per row (unused unless SPLIT and not IS_RMS)
+    SUM_XHAT,  # workspace: (M,) fp32, Σ xhat per row (unused unless SPLIT and not IS_RMS)
+    DW_PARTIAL,  # out: (P, N) fp32, row p = Σ dy · xhat over program p's rows (unused unless HAS_WEIGHT)
+    DB_PARTIAL,  # out: (P, N) fp32, row p = Σ dy over program p's rows (unused unless HAS_BIAS)
+    stride_h_m,
+    stride_dy_m,
+    stride_dh_m,
+    stride_dx_m,
+    M,
+    N,
+    rows_per_program,  # a multiple of BLOCK_M: program p owns rows [p·rows_per_program, ...)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # ≥ N, or a column chunk when SPLIT
+    SPLIT: tl.constexpr,  # rows longer than BLOCK_N: row sums first, then the columns chunk by chunk
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    strides = (stride_h_m, stride_dy_m, stride_dh_m, stride_dx_m)
+    if SPLIT:
+        _norm_bwd_row_sums(H, W, DY, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, stride_h_m, stride_dy_m, N,
+                           row_start, row_end, BLOCK_N, IS_RMS, HAS_WEIGHT)
+        tl.debug_barrier()  # the row sums, stored by some of the program's threads, are read by all
+        for start in range(0, N, BLOCK_N):
+            _norm_bwd_columns(H, W, DY, DH, DX, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, DW_PARTIAL,
+                              DB_PARTIAL, strides, N, pid, row_start, row_end, start + tl.arange(0, BLOCK_N),
+                              BLOCK_M, BLOCK_N, SPLIT, IS_RMS, HAS_WEIGHT, HAS_BIAS, HAS_DH)
+    else:
+        _norm_bwd_columns(H, W, DY, DH, DX, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, DW_PARTIAL, DB_PARTIAL,
+                          strides, N, pid, row_start, row_end, tl.arange(0, BLOCK_N),
+                          BLOCK_M, BLOCK_N, SPLIT, IS_RMS, HAS_WEIGHT, HAS_BIAS, HAS_DH)
+
+
+@triton.jit
 def _norm_bwd_reduce_kernel(
     DW_PARTIAL,  # (P, N) fp32 (unused unless HAS_WEIGHT)
     DB_PARTIAL,  # (P, N) fp32 (unused unless HAS_BIAS)
@@ -514,7 +540,6 @@ def _norm_bwd_reduce_kernel(
 # Outputs and workspaces allocated here, in dtypes fixed by the inputs (see Launcher): not keyed
 _FWD = Launcher(_norm_fwd_kernel, fresh=("Y", "H", "MEAN", "RSTD"))
 _FWD_SPLIT = Launcher(_norm_fwd_split_kernel, fresh=("Y", "H", "MEAN", "RSTD"))
-_BWD_ROW_SUMS = Launcher(_norm_bwd_row_sums_kernel, fresh=("SUM_DXHAT_XHAT", "SUM_DXHAT", "SUM_XHAT"))
 _BWD = Launcher(_norm_bwd_kernel, fresh=("DX", "SUM_DXHAT_XHAT", "SUM_DXHAT", "SUM_XHAT", "DW_PARTIAL", "DB_PARTIAL"))
 _BWD_REDUCE = Launcher(_norm_bwd_reduce_kernel, fresh=("DW_PARTIAL", "DB_PARTIAL"))
 
@@ -673,8 +698,6 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
         dw = _empty_like(w) if w is not None else None  # (N,) vectors of unit stride
         db = _empty_like(b) if b is not None else None
     args = (
-        (h, _or(w, h), dy, _or(mean, rstd), rstd, sum_dxhat_xhat, _or(sum_dxhat, rstd), _or(sum_xhat, rstd),
-         h.stride(0), dy.stride(0), N) if cfg.split else None,
         (h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
          _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
          h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
@@ -683,12 +706,11 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
         if not direct and (w is not None or b is not None) else None,
     )
     if launches is None:
-        # row sums (split rows only), dx with the dW/dB partials, dW/dB from the partials
+        # dx with the dW/dB partials, dW/dB from the partials
         specs = _bwd_specs(N, bool(rms), w is not None, b is not None, dh is not None)
-        grids = ((M,), (num_partials, cdiv(N, cfg.BLOCK_N) if cfg.split else 1),
-                 (cdiv(N, specs[2].constexprs["BLOCK_N"]),))
+        grids = ((num_partials,), (cdiv(N, specs[1].constexprs["BLOCK_N"]),))
         launches = tuple(None if a is None else launcher.bind(grid, a, spec, device.index)
-                         for launcher, grid, a, spec in zip((_BWD_ROW_SUMS, _BWD, _BWD_REDUCE), grids, args, specs))
+                         for launcher, grid, a, spec in zip((_BWD, _BWD_REDUCE), grids, args, specs))
         if cached:
             remember(sites, key, (launches, num_partials, rows_per_program, partial_like, row_like))
     else:
@@ -699,17 +721,11 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
 
 
 def _bwd_partials(device: torch.device, M: int, N: int) -> tuple[int, int]:
-    """(P, rows per program): P programs (times the column chunks when split), each owning
-    a contiguous block of rows_per_program rows and writing one row of the (P, N) dW/dB
-    partials."""
+    """(P, rows per program): P programs, each owning a contiguous block of
+    rows_per_program rows and writing one row of the (P, N) dW/dB partials."""
     cfg = bwd_config(N)
-    if cfg.split:
-        col_blocks = cdiv(N, cfg.BLOCK_N)
-        row_tiles = M
-        num_partials = min(M, max(1, _resident_programs(device, cfg.num_warps) // col_blocks))
-    else:
-        row_tiles = cdiv(M, cfg.BLOCK_M)
-        num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
+    row_tiles = cdiv(M, cfg.BLOCK_M)
+    num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
     rows_per_program = cdiv(row_tiles, num_partials) * cfg.BLOCK_M
     return cdiv(M, rows_per_program), rows_per_program  # no program without rows
 
@@ -721,11 +737,10 @@ def _like(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor
 
 @functools.lru_cache(maxsize=None)  # asked per call; a pure function of its arguments
 def _bwd_specs(N: int, rms: bool, has_weight: bool, has_bias: bool, has_dh: bool) -> tuple:
-    """Specs of the backward's row-sums (split rows), dx and dW/dB-partials, and stage-2 launches."""
+    """Specs of the backward's dx and dW/dB-partials launch and its stage-2 launch."""
     cfg, red = bwd_config(N), reduce_config(N)
     options = dict(num_warps=cfg.num_warps, num_stages=NUM_STAGES)
     return (
-        Spec(dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=rms, HAS_WEIGHT=has_weight), **options),
         Spec(dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=rms, HAS_WEIGHT=has_weight,
                   HAS_BIAS=has_bias, HAS_DH=has_dh), **options),
         Spec(dict(BLOCK_P=red.BLOCK_M, BLOCK_N=red.BLOCK_N, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias),
@@ -920,9 +935,6 @@ def compile_targets() -> list[dict]:
                     const = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, SPLIT=cfg.split, IS_RMS=is_rms,
                                  HAS_WEIGHT=has_w, HAS_BIAS=has_b, HAS_DH=has_dh)
                     targets.append(_target(_norm_bwd_kernel, cfg.name, cfg.num_warps, const, t, param_t))
-                    if cfg.split:
-                        const = dict(BLOCK_N=cfg.BLOCK_N, IS_RMS=is_rms, HAS_WEIGHT=has_w)
-                        targets.append(_target(_norm_bwd_row_sums_kernel, cfg.name, cfg.num_warps, const, t, param_t))
         # stage 2 only sees fp32 partials and writes dW/dB in the parameters' dtype
         for cfg in reduce_configs:
             const = dict(BLOCK_P=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_WEIGHT=True, HAS_BIAS=True)

@@ -10,6 +10,7 @@ arguments, for every op and mask kind.
 """
 
 import os
+import re
 
 import pytest
 
@@ -66,6 +67,8 @@ def record(call):
 
 """ + STANDIN_INPUTS + r"""qh, kh, vh = (t.detach().half().requires_grad_() for t in (q, k, v))
 wide = torch.randn(3, 20000, requires_grad=True)
+# fp16 parameters: their gradients always take the stage-2 launch (kernels/layernorm.py)
+wide_h, wide_w, wide_b = (torch.randn(*shape).half().requires_grad_() for shape in ((3, 20000), (20000,), (20000,)))
 # x's shape and strides at an address 4 bytes past alignment: bound launches are keyed by it
 q_shifted = torch.randn(q.numel() + 1)[1:].view(q.shape).requires_grad_()
 cache = torch.randn(B, Hkv, 64, D)
@@ -94,6 +97,8 @@ cases = {
     "add_layer_norm": grad_of(lambda: fasttrans.add_layer_norm(x, r, w, b)[1], x, r, w),
     "rms_norm": grad_of(lambda: fasttrans.rms_norm(x, 1000, w), x, w),
     "layer_norm split rows": grad_of(lambda: fasttrans.layer_norm(wide, 20000), wide),
+    "layer_norm split rows fp16": grad_of(lambda: fasttrans.layer_norm(wide_h, 20000, wide_w, wide_b),
+                                          wide_h, wide_w, wide_b),
     "layer_norm unaligned rows": grad_of(lambda: fasttrans.layer_norm(x[:, 1:], 999, w[1:], b[1:]), x, w),
     "layer_norm unaligned base": grad_of(lambda: fasttrans.layer_norm(shifted, 1000, w, b), shifted, w, b),
     "dropout": grad_of(lambda: fasttrans.functional.dropout(x, 0.3), x),
@@ -120,7 +125,11 @@ with fasttrans.use_backend("triton"):
 @pytest.mark.slow(minutes=2)
 def test_planned_launches_match_tritons_own():
     stdout = run_through_standin_driver(_CHILD)
-    assert stdout.count("launches agree") == 17, stdout
+    assert stdout.count("launches agree") == 18, stdout
+    # each norm's forward and backward, with parameter gradients, in at most three launches
+    launches = {name: int(n) for name, n in re.findall(r"^(.+): (\d+) launches agree$", stdout, re.M)}
+    for name in ("layer_norm", "add_layer_norm", "rms_norm", "layer_norm split rows fp16"):
+        assert launches[name] <= 3, (name, launches[name])
 
 
 def test_plans_are_off_under_the_interpreter():
