@@ -27,13 +27,15 @@ Sweeps (select with --sweep):
               with 25% right padding, the MLM loss on 15% of the real tokens (the head runs
               on those positions only, as BERT pretraining code does); a Llama-shaped
               LlamaForCausalLM (hidden 512, 8 heads, 4 key/value heads, FFN 1376, vocabulary
-              32000, 4 layers) training step, batch 8, 128 tokens, causal, no padding; and
-              its greedy generate() with the KV cache, batch 4, prompt 32, 32 new tokens.
+              32000, 4 layers) training step, batch 8, 128 tokens, causal, without padding
+              and with 25% right padding (the pads out of the loss); and its greedy
+              generate() with the KV cache, batch 4, prompt 32, 32 new tokens.
               AdamW in both training steps. Providers: the model with
               attn_implementation="sdpa" (torch [sdpa], the baseline) and "eager" (torch
               [eager]), and fasttrans.integrations.transformers.apply() on a copy
-              (fasttrans's attention and norms; for BERT also apply(unpad=True), variant
-              [unpad]: the layers on the real tokens only), all from the same weights.
+              (fasttrans's attention and norms; for the padded batches also
+              apply(unpad=True), variant [unpad]: the layers on the real tokens only), all
+              from the same weights.
               tokens/s = batch * 128 / step (padding included) and batch * new tokens / time.
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
@@ -246,7 +248,7 @@ HF_BERT = types.SimpleNamespace(name="bert", vocab=30522, hidden=768, heads=12, 
 HF_LLAMA = types.SimpleNamespace(name="llama", vocab=32000, hidden=512, heads=8, kv_heads=4, ffn=1376, layers=4)
 HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4, kv_heads=4, ffn=128, layers=1)
 HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
-HF_PADDING = 0.25  # mean fraction of right padding in the BERT batch
+HF_PADDING = 0.25  # mean fraction of right padding in the padded batches
 HF_MLM_FRACTION = 0.15  # fraction of the real tokens masked and predicted, as in BERT's pretraining
 HF_FIRST_TOKEN = 3  # random token ids start past pad (0), bos (1) and eos (2)
 HF_MASK_TOKEN = 2  # the [MASK] stand-in of the random-weight BERT
@@ -307,6 +309,7 @@ def hf_inputs(spec, batch: int, seq_len: int, device: str, dtype: torch.dtype, p
         prompts = torch.randint(HF_FIRST_TOKEN, spec.vocab, (max(prompt_batch, 1), max(prompt_len, 1)), generator=g)
         return types.SimpleNamespace(
             model=model, ids=ids.to(device), mask=mask.to(device), masked=masked.to(device),
+            lm_labels=ids.masked_fill(mask == 0, -100).to(device),  # the pads left out of the loss
             mlm_ids=ids.masked_fill(masked, HF_MASK_TOKEN).to(device), labels=labels.to(device),
             prompts=prompts.to(device), prompt_mask=torch.ones_like(prompts).to(device),
         )
@@ -316,12 +319,12 @@ def hf_inputs(spec, batch: int, seq_len: int, device: str, dtype: torch.dtype, p
 
 def hf_loss(model, inp) -> torch.Tensor:
     """BERT: the MLM loss, the head applied to the masked positions only. Llama: the
-    next-token loss, computed by the model from labels = its inputs."""
+    next-token loss, computed by the model from labels = its inputs (-100 at the pads)."""
     if model.config.model_type == "bert":
         hidden = model.bert(input_ids=inp.mlm_ids, attention_mask=inp.mask).last_hidden_state
         logits = model.cls(hidden[inp.masked])  # (masked tokens, vocabulary)
         return F.cross_entropy(logits.float(), inp.labels)
-    return model(input_ids=inp.ids, attention_mask=inp.mask, labels=inp.ids).loss
+    return model(input_ids=inp.ids, attention_mask=inp.mask, labels=inp.lm_labels).loss
 
 
 def hf_train_step(model, inp, backend: str | None):
@@ -356,7 +359,7 @@ def hf_generate(model, inp, backend: str | None, new_tokens: int):
 
 def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
     """A copy of ``model`` moved onto fasttrans with ``apply()`` (attention and norms; with
-    ``unpad``, BERT's layers on the real tokens only), after checking that it computes what
+    ``unpad``, the layers on the real tokens only), after checking that it computes what
     ``model`` does in eval mode on ``backend``, at the real tokens."""
     import fasttrans.integrations.transformers as ftt
 
@@ -365,6 +368,8 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
         raise RuntimeError("fasttrans.integrations.transformers.apply left modules as they were: "
                            + "; ".join(f"{name} ({why})" for name, why in skipped))
     kw = dict(input_ids=inp.ids[:2], attention_mask=inp.mask[:2])
+    if model.config.model_type == "llama":
+        kw["use_cache"] = False  # what unpad=True packs outside training
     training = model.training
     ours.eval()
     model.eval()
@@ -450,6 +455,14 @@ def hf_configs(bench: common.Bench):
         inputs=hf_inputs(llama, batch, seq_len, bench.device, dtype),
         entries=hf_entries(bench, hf_train_step, unavailable), work=float(batch * seq_len), work_unit="token",
         measure="time+memory", baseline=base,
+    )
+    yield Config(
+        sweep="hf", case=f"Llama-shaped causal LM training step, {llama.layers} layers, padded",
+        op="LlamaForCausalLM", mode="train step", dtype=dtype,
+        params=hf_params(llama, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}"),
+        inputs=hf_inputs(llama, batch, seq_len, bench.device, dtype, padding=HF_PADDING),
+        entries=hf_entries(bench, hf_train_step, unavailable, unpad=True), work=float(batch * seq_len),
+        work_unit="token", measure="time+memory", baseline=base,
     )
     yield Config(
         sweep="hf", case=f"Llama-shaped greedy generate {new_tokens} tokens, batch {gen_batch}",

@@ -412,8 +412,8 @@ def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
     assert {(r["op"], r["provider"], r["variant"]) for r in rows} == {
         (op, provider, variant) for op in ("BertForMaskedLM", "LlamaForCausalLM")
         for provider, variant in (("fasttrans-extension", ""), ("torch", "sdpa"), ("torch", "eager"))
-    } | {("BertForMaskedLM", "fasttrans-extension", "unpad")}
-    assert len(rows) == 10
+    } | {(op, "fasttrans-extension", "unpad") for op in ("BertForMaskedLM", "LlamaForCausalLM")}
+    assert len(rows) == 14  # BERT 4, Llama's unpadded and padded steps 3 + 4, generate 3
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["status"] == "ok", r
 

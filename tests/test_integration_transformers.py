@@ -655,6 +655,80 @@ def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
         _close(twin(**kw).logits, plain(**kw).logits, "logits on sdpa")
 
 
+def _decoder(family: str):
+    """A small eager decoder-only LM of the families apply(unpad=True) packs, in training mode."""
+    if family == "llama":
+        model = _pair("llama")[0]
+    else:
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          pad_token_id=0, initializer_range=0.3)
+        model = transformers.Qwen2ForCausalLM(config)
+        model.set_attn_implementation("eager")
+    twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
+    assert skipped == []
+    return model.train(), twin.train()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_unpadded_decoders_match_eager_at_real_tokens(family, left, backend, one_thread):
+    """apply(unpad=True) on a decoder-only LM in training: the layers run on the real tokens,
+    each at its padded position (rotary embedding). Logits at real tokens and every gradient
+    of a loss over them are eager's; the last hidden state is 0 at the pads."""
+    model, twin = _decoder(family)
+    kw, real = _inputs("llama", left)
+    kw.pop("position_ids")  # each token at its column, as the padded model places it
+    want, want_grads = _forward_backward(model, kw, real)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _forward_backward(twin, kw, real)
+        with torch.no_grad():
+            hidden = twin.base_model(**kw).last_hidden_state
+    _close(got, want, "logits")
+    assert got_grads.keys() == want_grads.keys()
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    for name, g in want_grads.items():
+        _close(got_grads[name], g, f"grad of {name}", scale)
+    assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+
+
+def test_unpadded_decoder_keeps_given_positions_and_runs_padded_where_it_must():
+    """Position ids given with the batch go with their tokens; in eval mode without
+    use_cache=False (a cache to fill), with collected hidden states, without padding and on
+    another attention implementation, the model's own forward runs (pads not zeroed)."""
+    model, twin = _decoder("llama")
+    kw, real = _inputs("llama", left=True)  # position_ids: counted from each first real token
+    kw["input_ids"] = kw["input_ids"].masked_fill(~real, 5)  # pads whose states are not 0 unpacked
+    with torch.no_grad():
+        _close(twin(**kw).logits[real], model(**kw).logits[real], "logits with position_ids")
+        model.eval()
+        twin.eval()
+        packed = twin.model(**kw, use_cache=False).last_hidden_state
+        assert torch.equal(packed[~real], torch.zeros_like(packed[~real]))
+        cached = twin.model(**kw)
+        assert cached.cache is not None and cached.last_hidden_state[~real].abs().max() > 0
+        hidden = twin.model(**kw, use_cache=False, output_hidden_states=True)
+        assert len(hidden.hidden_states) == 3 and hidden.last_hidden_state[~real].abs().max() > 0
+        full = dict(kw, attention_mask=torch.ones_like(kw["attention_mask"]), position_ids=None)
+        _close(twin(**full, use_cache=False).logits, model(**full, use_cache=False).logits, "logits, no padding")
+    twin.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        assert twin.model(**kw, use_cache=False).last_hidden_state[~real].abs().max() > 0
+
+
+def test_unpad_skips_decoders_with_sliding_window_layers():
+    config = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=0, pad_token_id=0)
+    model = transformers.Qwen2ForCausalLM(config)
+    assert model.model.has_sliding_layers
+    with pytest.warns(UserWarning, match="unpad"):
+        _, skipped = ftt.apply(model, unpad=True)
+    assert [n for n, why in skipped if "unpad=True" in why] == ["Qwen2ForCausalLM"]
+
+
 def test_compiled_packed_forward_has_no_graph_break():
     _, twin = _pair("llama")
     g = torch.Generator().manual_seed(3)
@@ -669,10 +743,10 @@ def test_unpad_needs_the_attention_and_an_encoder_it_knows():
     model, _ = _pair("bert")
     with pytest.raises(ValueError, match="unpad"):
         ftt.apply(copy.deepcopy(model), attention=False, unpad=True)
-    llama, _ = _pair("llama")
+    gpt2, _ = _pair("gpt2")
     with pytest.warns(UserWarning, match="unpad"):
-        _, skipped = ftt.apply(copy.deepcopy(llama), unpad=True)
-    assert [n for n, why in skipped if "unpad=True" in why] == ["LlamaForCausalLM"]
+        _, skipped = ftt.apply(copy.deepcopy(gpt2), unpad=True)
+    assert [n for n, why in skipped if "unpad=True" in why] == ["GPT2LMHeadModel"]
     # the state_dict is the model's, and a copy runs unpadded on its own weights
     _, twin = _unpadded_pair("bert")
     assert twin.state_dict().keys() == model.state_dict().keys()

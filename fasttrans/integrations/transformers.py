@@ -442,10 +442,12 @@ def apply(model: nn.Module, *, attention: bool = True,
     calls :func:`register` and ``model.set_attn_implementation("fasttrans")``.
 
     With ``unpad`` (and ``attention``), BERT-family encoders (BERT, RoBERTa, XLM-R,
-    CamemBERT, ELECTRA) run their layers on the real tokens of a padded batch only, packed,
-    so their matrix products skip the padding: their outputs at padded positions become
-    zeros (elsewhere they are unchanged) and each forward synchronises with a GPU once to
-    count the real tokens. A model without such an encoder is reported in ``skipped``.
+    CamemBERT, ELECTRA) and Llama and Qwen2 base models (when they fill no cache: in
+    training, or with ``use_cache=False``) run their layers on the real tokens of a padded
+    batch only, packed, so their matrix products skip the padding: their outputs at padded
+    positions become zeros (elsewhere they are unchanged) and each forward synchronises with
+    a GPU once to count the real tokens. A model without such a part is reported in
+    ``skipped``.
 
     Returns ``(model, skipped)``: skipped lists ``(qualified name, reason)`` for the
     attention and norm modules left as they were (warned about once per call).
@@ -467,8 +469,9 @@ def apply(model: nn.Module, *, attention: bool = True,
         if not attention:
             raise ValueError("unpad: the unpadded encoders need fasttrans's attention; expected attention=True")
         if not _unpad_encoders(model):
-            skipped.append((type(model).__name__, "unpad=True found no encoder it can run unpadded (one of "
-                            f"{', '.join(sorted(_UNPADDABLE_ENCODERS))})"))
+            skipped.append((type(model).__name__, "unpad=True found no model part it can run unpadded (one of "
+                            f"{', '.join(sorted(_UNPADDABLE_ENCODERS | _UNPADDABLE_DECODERS))}, the decoders "
+                            "without sliding-window layers)"))
     skipped += _replace_norms(model)
     with warnings.catch_warnings():  # one warning, below, for everything left
         warnings.simplefilter("ignore", UserWarning)
@@ -560,13 +563,87 @@ class _UnpaddedEncoderForward:
         return out
 
 
+# Decoder-only base models whose layers work token by token except through the attention
+# interface and the rotary embedding of position_ids, both of which take packed sequences.
+_UNPADDABLE_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
+
+
+def _packing_ok(model: nn.Module, kwargs: dict) -> bool:
+    """Whether nothing in the call or the model's state rules out running it packed."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != NAME:  # others would attend across sequences
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing_hidden_states():
+        return False
+    return not any(kwargs.get(k) or getattr(config, k, False) for k in ("output_hidden_states",
+                                                                       "output_attentions"))
+
+
+class _UnpaddedDecoderForward:
+    """The ``forward`` of a decoder-only base model (``LlamaModel`` ...) that runs on the real
+    tokens only.
+
+    Given a 2-D padding mask (1 on real tokens) and no cache to fill (``use_cache=False``,
+    or left unset in training mode), the real tokens are packed into a batch of one, each
+    keeping the position id it has in the padded batch (``position_ids``, else its column),
+    the model runs with transformers' padding-free arguments, and its last hidden state is
+    scattered back with zeros at the pads. Otherwise it is the model's own forward. Reading
+    the number of real tokens synchronises with a GPU once per forward."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        forward = type(model).forward
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        tokens = ids if ids is not None else embeds
+        use_cache = kwargs.get("use_cache")
+        if (args or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None
+                or tuple(tokens.shape[:2]) != tuple(mask.shape) or (ids is not None and embeds is not None)
+                or (positions is not None and (positions.dim() != 2 or positions.shape[1] != mask.shape[1]
+                                               or positions.shape[0] not in (1, mask.shape[0])))
+                or any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cu_seq_lens_q",
+                                                           "cu_seq_lens_k"))
+                or not (use_cache is False or (use_cache is None and model.training))
+                or not _packing_ok(model, kwargs)):
+            return forward(model, *args, **kwargs)
+        B, L = mask.shape
+        real = mask != 0
+        lengths = real.sum(dim=1)
+        binary = ((mask == 0) | (mask == 1)).all()
+        ok, total, longest = torch.stack([binary.long(), lengths.sum(), lengths.max()]).tolist()
+        if not ok or total in (0, B * L):  # not a padding mask, or nothing to skip
+            return forward(model, *args, **kwargs)
+        rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        if positions is None:
+            positions = torch.arange(L, device=mask.device)
+        positions = positions.expand(B, L).reshape(B * L).index_select(0, rows).unsqueeze(0)
+        packed = dict(kwargs, attention_mask=None, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
+                      cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        if ids is not None:
+            packed["input_ids"] = ids.reshape(B * L).index_select(0, rows).unsqueeze(0)
+        else:
+            packed["inputs_embeds"] = embeds.reshape(B * L, -1).index_select(0, rows).unsqueeze(0)
+        out = forward(model, **packed)
+        last = out.last_hidden_state[0]
+        out.last_hidden_state = last.new_zeros(B * L, last.shape[-1]).index_copy(0, rows, last).view(B, L, -1)
+        return out
+
+
 def _unpad_encoders(model: nn.Module) -> list[str]:
-    """Give every encoder of _UNPADDABLE_ENCODERS (not a decoder) the unpadded forward; the
-    qualified names of those it did."""
+    """Give every encoder of _UNPADDABLE_ENCODERS (not a decoder) and every base model of
+    _UNPADDABLE_DECODERS the unpadded forward; the qualified names of those it did."""
     done = []
     for name, m in model.named_modules():
-        if type(m).__name__ in _UNPADDABLE_ENCODERS and not getattr(getattr(m, "config", None), "is_decoder", False):
+        kind = type(m).__name__
+        if kind in _UNPADDABLE_ENCODERS and not getattr(getattr(m, "config", None), "is_decoder", False):
             m.forward = _UnpaddedEncoderForward(m)
+            done.append(name)
+        elif kind in _UNPADDABLE_DECODERS and not getattr(m, "has_sliding_layers", False):
+            m.forward = _UnpaddedDecoderForward(m)
             done.append(name)
     return done
 
