@@ -694,6 +694,37 @@ def test_unpadded_decoders_match_eager_at_real_tokens(family, left, backend, one
     assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_unpadded_causal_lm_heads_and_losses_skip_the_pads(family, one_thread):
+    """With labels (-100 at the pads) the LM head and the loss run on the real tokens only:
+    the loss and every gradient are eager's. Where a pad's shifted label counts (before the
+    first token of a left-padded sequence) the head runs on every position."""
+    model, twin = _decoder(family)
+    rows = []
+    twin.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
+    for left in (False, True):
+        kw, real = _inputs("llama", left)
+        kw.pop("position_ids")
+        kw["labels"] = kw["input_ids"].masked_fill(~real, -100)
+        grads = []
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            out = m(**kw)
+            out.loss.backward()
+            grads.append(({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, out))
+        (want_grads, want), (got_grads, got) = grads
+        _close(got.logits[real], want.logits[real], "logits")
+        if left:  # the head ran padded: the last pad's logits (zeros) predict the first token
+            assert rows[-1] == real.shape
+            continue
+        assert rows[-1] == (1, int(real.sum()))
+        _close(got.loss, want.loss, "loss")
+        assert torch.equal(got.logits[~real], torch.zeros_like(got.logits[~real]))
+        scale = max(g.abs().max().item() for g in want_grads.values())
+        for name, g in want_grads.items():
+            _close(got_grads[name], g, f"grad of {name}", scale)
+
+
 def test_unpadded_decoder_keeps_given_positions_and_runs_padded_where_it_must():
     """Position ids given with the batch go with their tokens; in eval mode without
     use_cache=False (a cache to fill), with collected hidden states, without padding and on

@@ -442,12 +442,12 @@ def apply(model: nn.Module, *, attention: bool = True,
     calls :func:`register` and ``model.set_attn_implementation("fasttrans")``.
 
     With ``unpad`` (and ``attention``), BERT-family encoders (BERT, RoBERTa, XLM-R,
-    CamemBERT, ELECTRA) and Llama and Qwen2 base models (when they fill no cache: in
-    training, or with ``use_cache=False``) run their layers on the real tokens of a padded
-    batch only, packed, so their matrix products skip the padding: their outputs at padded
-    positions become zeros (elsewhere they are unchanged) and each forward synchronises with
-    a GPU once to count the real tokens. A model without such a part is reported in
-    ``skipped``.
+    CamemBERT, ELECTRA) and Llama and Qwen2 models (when they fill no cache: in training,
+    or with ``use_cache=False``; their LM heads and losses too) run on the real tokens of a
+    padded batch only, packed, so their matrix products skip the padding: their outputs at
+    padded positions become zeros (elsewhere they are unchanged) and each forward
+    synchronises with a GPU once to count the real tokens. A model without such a part is
+    reported in ``skipped``.
 
     Returns ``(model, skipped)``: skipped lists ``(qualified name, reason)`` for the
     attention and norm modules left as they were (warned about once per call).
@@ -566,6 +566,8 @@ class _UnpaddedEncoderForward:
 # Decoder-only base models whose layers work token by token except through the attention
 # interface and the rotary embedding of position_ids, both of which take packed sequences.
 _UNPADDABLE_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
+# Their causal LMs: forward = base model, LM head, loss (ForCausalLMLoss), nothing else.
+_UNPADDABLE_CAUSAL_LMS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
 
 def _packing_ok(model: nn.Module, kwargs: dict) -> bool:
@@ -577,6 +579,53 @@ def _packing_ok(model: nn.Module, kwargs: dict) -> bool:
         return False
     return not any(kwargs.get(k) or getattr(config, k, False) for k in ("output_hidden_states",
                                                                        "output_attentions"))
+
+
+def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple = ()):
+    """(packed keyword arguments, real rows (T,) of the flattened (B·L) batch, (B, L)) to run
+    a decoder-only base model (``LlamaModel`` ...) on the real tokens of a padded batch, or
+    None where its own forward must run. ``checks``: bool tensors that must all be True
+    too, read in the same synchronisation."""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    tokens = ids if ids is not None else embeds
+    use_cache = kwargs.get("use_cache")
+    if (args or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None
+            or tuple(tokens.shape[:2]) != tuple(mask.shape) or (ids is not None and embeds is not None)
+            or (positions is not None and (positions.dim() != 2 or positions.shape[1] != mask.shape[1]
+                                           or positions.shape[0] not in (1, mask.shape[0])))
+            or any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cu_seq_lens_q",
+                                                       "cu_seq_lens_k"))
+            or not (use_cache is False or (use_cache is None and model.training))
+            or not _packing_ok(model, kwargs)):
+        return None
+    B, L = mask.shape
+    real = mask != 0
+    lengths = real.sum(dim=1)
+    ok = ((mask == 0) | (mask == 1)).all()
+    for check in checks:
+        ok = ok & check
+    ok, total, longest = torch.stack([ok.long(), lengths.sum(), lengths.max()]).tolist()
+    if not ok or total in (0, B * L):  # not a padding mask, a check failed, or nothing to skip
+        return None
+    rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    if positions is None:
+        positions = torch.arange(L, device=mask.device)
+    positions = positions.expand(B, L).reshape(B * L).index_select(0, rows).unsqueeze(0)
+    packed = dict(kwargs, attention_mask=None, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    if ids is not None:
+        packed["input_ids"] = ids.reshape(B * L).index_select(0, rows).unsqueeze(0)
+    else:
+        packed["inputs_embeds"] = embeds.reshape(B * L, -1).index_select(0, rows).unsqueeze(0)
+    return packed, rows, (B, L)
+
+
+def _scatter(packed: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """(1, T, C) values of the real rows -> (B, L, C), zeros at the pads."""
+    values = packed[0]
+    return values.new_zeros(shape[0] * shape[1], values.shape[-1]).index_copy(0, rows, values).view(*shape, -1)
 
 
 class _UnpaddedDecoderForward:
@@ -596,41 +645,60 @@ class _UnpaddedDecoderForward:
     def __call__(self, *args, **kwargs):
         model = self.model
         forward = type(model).forward
-        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        tokens = ids if ids is not None else embeds
-        use_cache = kwargs.get("use_cache")
-        if (args or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None
-                or tuple(tokens.shape[:2]) != tuple(mask.shape) or (ids is not None and embeds is not None)
-                or (positions is not None and (positions.dim() != 2 or positions.shape[1] != mask.shape[1]
-                                               or positions.shape[0] not in (1, mask.shape[0])))
-                or any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cu_seq_lens_q",
-                                                           "cu_seq_lens_k"))
-                or not (use_cache is False or (use_cache is None and model.training))
-                or not _packing_ok(model, kwargs)):
+        plan = _decoder_packing(model, args, kwargs)
+        if plan is None:
             return forward(model, *args, **kwargs)
-        B, L = mask.shape
-        real = mask != 0
-        lengths = real.sum(dim=1)
-        binary = ((mask == 0) | (mask == 1)).all()
-        ok, total, longest = torch.stack([binary.long(), lengths.sum(), lengths.max()]).tolist()
-        if not ok or total in (0, B * L):  # not a padding mask, or nothing to skip
-            return forward(model, *args, **kwargs)
-        rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
-        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-        if positions is None:
-            positions = torch.arange(L, device=mask.device)
-        positions = positions.expand(B, L).reshape(B * L).index_select(0, rows).unsqueeze(0)
-        packed = dict(kwargs, attention_mask=None, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
-                      cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        if ids is not None:
-            packed["input_ids"] = ids.reshape(B * L).index_select(0, rows).unsqueeze(0)
-        else:
-            packed["inputs_embeds"] = embeds.reshape(B * L, -1).index_select(0, rows).unsqueeze(0)
+        packed, rows, shape = plan
         out = forward(model, **packed)
-        last = out.last_hidden_state[0]
-        out.last_hidden_state = last.new_zeros(B * L, last.shape[-1]).index_copy(0, rows, last).view(B, L, -1)
+        out.last_hidden_state = _scatter(out.last_hidden_state, rows, shape)
         return out
+
+
+class _UnpaddedCausalLMForward:
+    """The ``forward`` of a causal LM (``LlamaForCausalLM`` ...) whose base model and LM head
+    run on the real tokens only.
+
+    Where the base model would run packed (:func:`_decoder_packing`), the LM head and the
+    loss do too: logits are scattered back with zeros at the pads, and the loss is taken over
+    the real tokens' shifted labels, which is the padded model's loss when every pad's
+    shifted label is ignored (-100). Otherwise (that label is not ignored, as before the
+    first token of a left-padded sequence; ``logits_to_keep``; tuple outputs) it is the
+    model's own forward, over a base model that may still run packed."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        forward = type(model).forward
+        labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
+        base = model.base_model
+        checks = ()
+        if shift is None and labels is not None:
+            ignore = kwargs.get("ignore_index", -100)
+            shift = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+        if shift is not None:
+            mask = kwargs.get("attention_mask")
+            if not isinstance(mask, torch.Tensor) or shift.shape != mask.shape:
+                return forward(model, *args, **kwargs)
+            checks = (((mask != 0) | (shift == kwargs.get("ignore_index", -100))).all(),)
+        keep = kwargs.get("logits_to_keep", 0)
+        if (not isinstance(keep, int) or keep != 0 or kwargs.get("return_dict") is False
+                or not isinstance(base.forward, _UnpaddedDecoderForward)):
+            return forward(model, *args, **kwargs)
+        own = {k: v for k, v in kwargs.items() if k not in ("labels", "shift_labels", "logits_to_keep")}
+        plan = _decoder_packing(base, args, own, checks)
+        if plan is None:
+            return forward(model, *args, **kwargs)
+        packed, rows, shape = plan
+        out = type(base).forward(base, **packed)
+        logits = model.lm_head(out.last_hidden_state)  # (1, T, V): the real tokens' only
+        loss = None
+        if shift is not None:
+            extra = {k: v for k, v in own.items() if k in ("num_items_in_batch", "ignore_index")}
+            loss = model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
+                                       shift_labels=shift.reshape(-1).index_select(0, rows).unsqueeze(0), **extra)
+        return _transformers().modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=_scatter(logits, rows, shape))
 
 
 def _unpad_encoders(model: nn.Module) -> list[str]:
@@ -645,6 +713,9 @@ def _unpad_encoders(model: nn.Module) -> list[str]:
         elif kind in _UNPADDABLE_DECODERS and not getattr(m, "has_sliding_layers", False):
             m.forward = _UnpaddedDecoderForward(m)
             done.append(name)
+    for name, m in model.named_modules():  # their LM heads, once the base models are set
+        if type(m).__name__ in _UNPADDABLE_CAUSAL_LMS and isinstance(m.base_model.forward, _UnpaddedDecoderForward):
+            m.forward = _UnpaddedCausalLMForward(m)
     return done
 
 
