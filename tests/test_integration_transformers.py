@@ -593,6 +593,28 @@ def _unpadded_pair(family: str):
     return model, twin
 
 
+def _close_grads(got: dict, want: dict):
+    """Every parameter's gradient, each to the tolerance of the largest of them."""
+    assert got.keys() == want.keys()
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, g in want.items():
+        _close(got[name], g, f"grad of {name}", scale)
+
+
+def _assert_unpadded_like_eager(model, twin, kw, real, backend):
+    """The unpadded twin on ``backend``: logits at the real tokens and every gradient of a
+    loss over them are the eager model's, and the base model's last hidden state is 0 at the
+    pads (the packed path ran)."""
+    want, want_grads = _forward_backward(model, kw, real)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _forward_backward(twin, kw, real)
+        with torch.no_grad():
+            hidden = twin.base_model(**kw).last_hidden_state
+    _close(got, want, "logits")
+    _close_grads(got_grads, want_grads)
+    assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
 @pytest.mark.parametrize("family", ["bert", "roberta"])
@@ -603,18 +625,7 @@ def test_unpadded_encoders_match_eager_at_real_tokens(family, left, backend, one
     kw, _ = _inputs("bert", left)
     if family == "roberta":
         kw["input_ids"] = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, 1)
-    real = kw["attention_mask"].bool()
-    want, want_grads = _forward_backward(model, kw, real)
-    with fasttrans.use_backend(backend):
-        got, got_grads = _forward_backward(twin, kw, real)
-        with torch.no_grad():
-            hidden = getattr(twin, family)(**kw).last_hidden_state
-    _close(got, want, "logits")
-    assert got_grads.keys() == want_grads.keys()
-    scale = max(g.abs().max().item() for g in want_grads.values())
-    for name, g in want_grads.items():
-        _close(got_grads[name], g, f"grad of {name}", scale)
-    assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+    _assert_unpadded_like_eager(model, twin, kw, kw["attention_mask"].bool(), backend)
 
 
 @pytest.mark.parametrize("family", ["XLMRoberta", "Camembert", "Electra"])
@@ -686,17 +697,7 @@ def test_unpadded_decoders_match_eager_at_real_tokens(family, left, backend, one
     model, twin = _decoder(family)
     kw, real = _inputs("llama", left)
     kw.pop("position_ids")  # each token at its column, as the padded model places it
-    want, want_grads = _forward_backward(model, kw, real)
-    with fasttrans.use_backend(backend):
-        got, got_grads = _forward_backward(twin, kw, real)
-        with torch.no_grad():
-            hidden = twin.base_model(**kw).last_hidden_state
-    _close(got, want, "logits")
-    assert got_grads.keys() == want_grads.keys()
-    scale = max(g.abs().max().item() for g in want_grads.values())
-    for name, g in want_grads.items():
-        _close(got_grads[name], g, f"grad of {name}", scale)
-    assert hidden[real].abs().min() > 0 and torch.equal(hidden[~real], torch.zeros_like(hidden[~real]))
+    _assert_unpadded_like_eager(model, twin, kw, real, backend)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -725,9 +726,7 @@ def test_unpadded_causal_lm_heads_and_losses_skip_the_pads(family, one_thread):
         assert rows[-1] == (1, int(real.sum()))
         _close(got.loss, want.loss, "loss")
         assert torch.equal(got.logits[~real], torch.zeros_like(got.logits[~real]))
-        scale = max(g.abs().max().item() for g in want_grads.values())
-        for name, g in want_grads.items():
-            _close(got_grads[name], g, f"grad of {name}", scale)
+        _close_grads(got_grads, want_grads)
 
 
 def test_unpadded_decoder_keeps_given_positions_and_runs_padded_where_it_must():
