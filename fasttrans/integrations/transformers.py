@@ -467,7 +467,7 @@ def apply(model: nn.Module, *, attention: bool = True,
                             "(load it with attn_implementation='fasttrans' after register())"))
     if unpad:
         if not attention:
-            raise ValueError("unpad: the unpadded encoders need fasttrans's attention; expected attention=True")
+            raise ValueError("unpad: the unpadded models need fasttrans's attention; expected attention=True")
         if not _unpad_encoders(model):
             skipped.append((type(model).__name__, "unpad=True found no model part it can run unpadded (one of "
                             f"{', '.join(sorted(_UNPADDABLE_ENCODERS | _UNPADDABLE_DECODERS))}, the decoders "
