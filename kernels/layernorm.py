@@ -48,6 +48,9 @@ longer than MAX_FUSED_N_BWD, stage 1 first walks each of its rows in chunks for 
 sums (Σ dxhat · xhat, Σ dxhat, Σ xhat), stores them, then walks its rows again chunk by
 chunk: the two reads of a split forward, and the backward stays two launches (one when a
 single program owns every row and the parameters are fp32: the partials are dW and dB).
+With fewer rows than the GPU runs programs at once, the chunks are dealt out to groups of
+programs (axis 1 of the grid), each recomputing its rows' sums: the rows are then few
+enough that the repeated reads come from L2.
 
 Launch configurations (below) follow from the register and spill counts ptxas reports for
 sm_80 and sm_90 (``compile_targets()``, checked by ``python -m fasttrans compile-check``);
@@ -464,9 +467,9 @@ def _norm_bwd_kernel(
     DX,  # out: gradient of h (= of x and of the residual), (M, N) in H's dtype
     MEAN,  # (M,) fp32 (unused when IS_RMS)
     RSTD,  # (M,) fp32
-    SUM_DXHAT_XHAT,  # workspace: (M,) fp32, Σ dxhat · xhat per row (unused unless SPLIT)
-    SUM_DXHAT,  # workspace: (M,) fp32, Σ dxhat per row (unused unless SPLIT and not IS_RMS)
-    SUM_XHAT,  # workspace: (M,) fp32, Σ xhat per row (unused unless SPLIT and not IS_RMS)
+    SUM_DXHAT_XHAT,  # workspace: (groups, M) fp32, Σ dxhat · xhat per row (unused unless SPLIT)
+    SUM_DXHAT,  # workspace: (groups, M) fp32, Σ dxhat per row (unused unless SPLIT and not IS_RMS)
+    SUM_XHAT,  # workspace: (groups, M) fp32, Σ xhat per row (unused unless SPLIT and not IS_RMS)
     DW_PARTIAL,  # out: (P, N) fp32, row p = Σ dy · xhat over program p's rows (unused unless HAS_WEIGHT)
     DB_PARTIAL,  # out: (P, N) fp32, row p = Σ dy over program p's rows (unused unless HAS_BIAS)
     stride_h_m,
@@ -478,7 +481,8 @@ def _norm_bwd_kernel(
     rows_per_program,  # a multiple of BLOCK_M: program p owns rows [p·rows_per_program, ...)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # ≥ N, or a column chunk when SPLIT
-    SPLIT: tl.constexpr,  # rows longer than BLOCK_N: row sums first, then the columns chunk by chunk
+    SPLIT: tl.constexpr,  # rows longer than BLOCK_N: row sums first, then the columns chunk by chunk;
+    #                       axis 1 of the grid splits the chunks into groups
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -489,10 +493,17 @@ def _norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     strides = (stride_h_m, stride_dy_m, stride_dh_m, stride_dx_m)
     if SPLIT:
+        # axis 1: the groups of column chunks, each recomputing its rows' sums (from L2 when
+        # the rows are few, which is when there is more than one group) into its own slots
+        group, groups = tl.program_id(1), tl.num_programs(1)
+        own = group.to(tl.int64) * M
+        SUM_DXHAT_XHAT += own
+        SUM_DXHAT += own
+        SUM_XHAT += own
         _norm_bwd_row_sums(H, W, DY, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, stride_h_m, stride_dy_m, N,
                            row_start, row_end, BLOCK_N, IS_RMS, HAS_WEIGHT)
         tl.debug_barrier()  # the row sums, stored by some of the program's threads, are read by all
-        for start in range(0, N, BLOCK_N):
+        for start in range(group * BLOCK_N, N, groups * BLOCK_N):
             _norm_bwd_columns(H, W, DY, DH, DX, MEAN, RSTD, SUM_DXHAT_XHAT, SUM_DXHAT, SUM_XHAT, DW_PARTIAL,
                               DB_PARTIAL, strides, N, pid, row_start, row_end, start + tl.arange(0, BLOCK_N),
                               BLOCK_M, BLOCK_N, SPLIT, IS_RMS, HAS_WEIGHT, HAS_BIAS, HAS_DH)
@@ -661,7 +672,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     site = sites.get(key)
     M, N = h.shape
     if site is not None:
-        launches, num_partials, rows_per_program, partial_like, row_like = site
+        launches, num_partials, rows_per_program, groups, partial_like, row_like = site
         w, b, mean = weight, None if rms else bias, None if rms else mean
     else:
         _check_rows("h", h, M, N)
@@ -675,7 +686,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
         b = None if rms else _vector("bias", bias, N)
         mean = None if rms else mean
         launches = None
-        num_partials, rows_per_program = _bwd_partials(h.device, M, N)
+        num_partials, rows_per_program, groups = _bwd_partials(h.device, M, N)
     device = h.device
     cfg = bwd_config(N)
     # With one partial row and fp32 parameters the partials are dW and dB themselves: no
@@ -683,7 +694,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     direct = num_partials == 1 and (w is None or w.dtype == torch.float32) and (b is None or b.dtype == torch.float32)
     if site is None:  # the fp32 workspaces are allocated like these (see expansion)
         partial_like = expansion(torch.float32, device, (N,) if direct else (num_partials, N))
-        row_like = expansion(torch.float32, device, (M,))
+        row_like = expansion(torch.float32, device, (groups * M,))
     dx = _empty_like(h)  # contiguous: h's rows have unit stride (checked above)
     dw_partial = None if w is None else _empty_like(partial_like)
     db_partial = None if b is None else _empty_like(partial_like)
@@ -708,11 +719,11 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     if launches is None:
         # dx with the dW/dB partials, dW/dB from the partials
         specs = _bwd_specs(N, bool(rms), w is not None, b is not None, dh is not None)
-        grids = ((num_partials,), (cdiv(N, specs[1].constexprs["BLOCK_N"]),))
+        grids = ((num_partials, groups), (cdiv(N, specs[1].constexprs["BLOCK_N"]),))
         launches = tuple(None if a is None else launcher.bind(grid, a, spec, device.index)
                          for launcher, grid, a, spec in zip((_BWD, _BWD_REDUCE), grids, args, specs))
         if cached:
-            remember(sites, key, (launches, num_partials, rows_per_program, partial_like, row_like))
+            remember(sites, key, (launches, num_partials, rows_per_program, groups, partial_like, row_like))
     else:
         for launch, a in zip(launches, args):
             if a is not None:
@@ -720,14 +731,19 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     return dx, _like(dw, weight), _like(db, bias)
 
 
-def _bwd_partials(device: torch.device, M: int, N: int) -> tuple[int, int]:
-    """(P, rows per program): P programs, each owning a contiguous block of
-    rows_per_program rows and writing one row of the (P, N) dW/dB partials."""
+def _bwd_partials(device: torch.device, M: int, N: int) -> tuple[int, int, int]:
+    """(P, rows per program, column groups): P programs per column group, each owning a
+    contiguous block of rows_per_program rows and writing its columns of row p of the
+    (P, N) dW/dB partials. Rows split into chunks take as many groups of chunks as fill the
+    GPU when there are fewer rows than programs it runs at once."""
     cfg = bwd_config(N)
     row_tiles = cdiv(M, cfg.BLOCK_M)
-    num_partials = min(row_tiles, _resident_programs(device, cfg.num_warps))
+    resident = _resident_programs(device, cfg.num_warps)
+    num_partials = min(row_tiles, resident)
     rows_per_program = cdiv(row_tiles, num_partials) * cfg.BLOCK_M
-    return cdiv(M, rows_per_program), rows_per_program  # no program without rows
+    num_partials = cdiv(M, rows_per_program)  # no program without rows
+    groups = min(cdiv(N, cfg.BLOCK_N), max(1, resident // num_partials)) if cfg.split else 1
+    return num_partials, rows_per_program, groups
 
 
 def _like(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:

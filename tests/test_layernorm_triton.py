@@ -123,11 +123,14 @@ def test_matches_reference(op, shape, dtype, affine):
     _check(op, _inputs(op, M, N, dtype, weight=affine != "none", bias=affine != "none"), dtype)
 
 
+@pytest.mark.parametrize("shape", [(3, 65537), (2, 9000)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_split_rows(op, dtype):
-    """N = 65537: both split-row paths (chunked two-pass forward, row sums + column chunks backward)."""
-    _check(op, _inputs(op, 3, 65537, dtype), dtype)
+def test_split_rows(op, dtype, shape):
+    """Both split-row paths (chunked two-pass forward, row sums + column chunks backward);
+    2 rows of 9000 give the backward two groups of column chunks (the interpreter's GPU
+    holds 4 programs), each over several chunks, the last one ragged."""
+    _check(op, _inputs(op, *shape, dtype), dtype)
 
 
 @pytest.mark.parametrize("N", [100, K.MAX_FUSED_N + 1])
