@@ -84,9 +84,9 @@ MAX_FUSED_N_BWD = 4096
 SPLIT_BLOCK_N = 4096  # column chunk of the split-row forward
 SPLIT_NUM_WARPS = 16
 # The split backward walks its rows twice in one program (row sums, then dx and dW/dB by
-# column chunk). With 4096-column chunks ptxas gives it up to 128 registers at 16 warps (one
-# program per SM) and spills at 32 warps (Triton 3.6, sm_80); 2048 columns, 4 elements per
-# thread per tensor, keep it within 64 registers with no spills: two programs per SM.
+# column chunk): 2048-column chunks, 4 elements per thread per tensor at 16 warps, keep both
+# passes within 64 registers with no spills (compile-check), two programs per SM; the
+# forward's 4096 do not.
 SPLIT_BWD_BLOCK_N = 2048
 MIN_BLOCK_N = 64  # narrower rows are padded: one configuration serves every N ≤ 64
 TILE_ELEMENTS = 1024  # small rows are packed BLOCK_M to a program until a tile has this many

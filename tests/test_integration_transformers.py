@@ -119,6 +119,14 @@ def _close(got, want, what, scale=None):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
 
 
+def _close_grads(got: dict, want: dict):
+    """Every parameter's gradient, each to the tolerance of the largest of them."""
+    assert got.keys() == want.keys()
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, g in want.items():
+        _close(got[name], g, f"grad of {name}", scale)
+
+
 def _forward_backward(model, kw, seen):
     model.zero_grad(set_to_none=True)
     logits = model(**kw).logits
@@ -145,10 +153,7 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
     with fasttrans.use_backend(backend):
         got, got_grads = _forward_backward(twin, kw, seen)
     _close(got, want, "logits")
-    assert got_grads.keys() == want_grads.keys()
-    scale = max(g.abs().max().item() for g in want_grads.values())
-    for name, g in want_grads.items():
-        _close(got_grads[name], g, f"grad of {name}", scale)
+    _close_grads(got_grads, want_grads)
 
 
 def _farther(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -591,14 +596,6 @@ def _unpadded_pair(family: str):
     twin, skipped = ftt.apply(copy.deepcopy(model), unpad=True)
     assert skipped == []
     return model, twin
-
-
-def _close_grads(got: dict, want: dict):
-    """Every parameter's gradient, each to the tolerance of the largest of them."""
-    assert got.keys() == want.keys()
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, g in want.items():
-        _close(got[name], g, f"grad of {name}", scale)
 
 
 def _assert_unpadded_like_eager(model, twin, kw, real, backend):

@@ -506,6 +506,40 @@ def _capturing_hidden_states() -> bool:
     return bool(collected) and "hidden_states" in collected
 
 
+def _packing_ok(model: nn.Module, kwargs: dict) -> bool:
+    """Whether nothing in the call or the model's state rules out running it packed: its
+    attention must take the packed arguments (another implementation would attend across
+    the packed sequences), nothing may collect the packed states, and nothing is traced."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != NAME:
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing_hidden_states():
+        return False
+    return not any(kwargs.get(k) or getattr(config, k, False) for k in ("output_hidden_states",
+                                                                       "output_attentions"))
+
+
+def _real_rows(real: torch.Tensor, ok: torch.Tensor):
+    """(rows, cu_seq_lens, longest) that pack the real tokens of ``real`` (B, L) bool: the
+    real rows of the flattened batch in order, and transformers' padding-free lengths; or
+    None where the bool tensor ``ok`` is False or there is no padding to skip. Reads the
+    counts to the host: the one synchronisation of a packed forward."""
+    B, L = real.shape
+    lengths = real.sum(dim=1)
+    ok, total, longest = torch.stack([ok.long(), lengths.sum(), lengths.max()]).tolist()
+    if not ok or total in (0, B * L):
+        return None
+    rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    return rows, cu, longest
+
+
+def _scatter(packed: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """(1, T, C) values of the real rows -> (B, L, C), zeros at the pads."""
+    values = packed[0]
+    return values.new_zeros(shape[0] * shape[1], values.shape[-1]).index_copy(0, rows, values).view(*shape, -1)
+
+
 class _UnpaddedEncoderForward:
     """The ``forward`` of an encoder that runs its layers on the real tokens only.
 
@@ -528,13 +562,7 @@ class _UnpaddedEncoderForward:
         if any(kwargs.get(k) is not None for k in ("encoder_hidden_states", "encoder_attention_mask", "cache",
                                                    "past_key_values", "cu_seq_lens_q", "cu_seq_lens_k")):
             return None
-        if kwargs.get("use_cache") or torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return None
-        # the layers' attention must take the packed arguments (another implementation would
-        # attend across the packed sequences), and nothing may collect the packed states
-        if getattr(getattr(self.encoder, "config", None), "_attn_implementation", None) != NAME:
-            return None
-        if _capturing_hidden_states():
+        if kwargs.get("use_cache") or not _packing_ok(self.encoder, kwargs):
             return None
         return mask[:, 0, 0, :]
 
@@ -544,19 +572,15 @@ class _UnpaddedEncoderForward:
         real = self._real_tokens(hidden_states, attention_mask, args, kwargs)
         if real is None:
             return forward(encoder, hidden_states, attention_mask, *args, **kwargs)
-        B, L, E = hidden_states.shape
-        lengths = real.sum(dim=1)
-        padding_only = (attention_mask == real[:, None, None, :]).all()
-        only, total, longest = torch.stack([padding_only.long(), lengths.sum(), lengths.max()]).tolist()
-        if not only or total in (0, B * L):  # another mask, or nothing to skip
+        plan = _real_rows(real, (attention_mask == real[:, None, None, :]).all())  # padding alone
+        if plan is None:
             return forward(encoder, hidden_states, attention_mask, *args, **kwargs)
-        rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
-        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        rows, cu, longest = plan
+        B, L, E = hidden_states.shape
         packed = hidden_states.reshape(B * L, E).index_select(0, rows).unsqueeze(0)
         out = forward(encoder, packed, None, *args, **kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                       max_length_q=longest, max_length_k=longest)
-        last = (out[0] if isinstance(out, tuple) else out.last_hidden_state)[0]
-        last = last.new_zeros(B * L, E).index_copy(0, rows, last).view(B, L, E)
+        last = _scatter(out[0] if isinstance(out, tuple) else out.last_hidden_state, rows, (B, L))
         if isinstance(out, tuple):
             return (last, *out[1:])
         out.last_hidden_state = last
@@ -568,17 +592,6 @@ class _UnpaddedEncoderForward:
 _UNPADDABLE_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
 # Their causal LMs: forward = base model, LM head, loss (ForCausalLMLoss), nothing else.
 _UNPADDABLE_CAUSAL_LMS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
-
-
-def _packing_ok(model: nn.Module, kwargs: dict) -> bool:
-    """Whether nothing in the call or the model's state rules out running it packed."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != NAME:  # others would attend across sequences
-        return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing_hidden_states():
-        return False
-    return not any(kwargs.get(k) or getattr(config, k, False) for k in ("output_hidden_states",
-                                                                       "output_attentions"))
 
 
 def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple = ()):
@@ -600,16 +613,13 @@ def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple 
             or not _packing_ok(model, kwargs)):
         return None
     B, L = mask.shape
-    real = mask != 0
-    lengths = real.sum(dim=1)
-    ok = ((mask == 0) | (mask == 1)).all()
+    ok = ((mask == 0) | (mask == 1)).all()  # a padding mask
     for check in checks:
         ok = ok & check
-    ok, total, longest = torch.stack([ok.long(), lengths.sum(), lengths.max()]).tolist()
-    if not ok or total in (0, B * L):  # not a padding mask, a check failed, or nothing to skip
+    plan = _real_rows(mask != 0, ok)
+    if plan is None:
         return None
-    rows = torch.argsort((~real).flatten().to(torch.uint8), stable=True)[:total]  # real rows, in order
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    rows, cu, longest = plan
     if positions is None:
         positions = torch.arange(L, device=mask.device)
     positions = positions.expand(B, L).reshape(B * L).index_select(0, rows).unsqueeze(0)
@@ -620,12 +630,6 @@ def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple 
     else:
         packed["inputs_embeds"] = embeds.reshape(B * L, -1).index_select(0, rows).unsqueeze(0)
     return packed, rows, (B, L)
-
-
-def _scatter(packed: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """(1, T, C) values of the real rows -> (B, L, C), zeros at the pads."""
-    values = packed[0]
-    return values.new_zeros(shape[0] * shape[1], values.shape[-1]).index_copy(0, rows, values).view(*shape, -1)
 
 
 class _UnpaddedDecoderForward:
@@ -671,21 +675,21 @@ class _UnpaddedCausalLMForward:
     def __call__(self, *args, **kwargs):
         model = self.model
         forward = type(model).forward
-        labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
         base = model.base_model
-        checks = ()
-        if shift is None and labels is not None:
-            ignore = kwargs.get("ignore_index", -100)
-            shift = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
-        if shift is not None:
-            mask = kwargs.get("attention_mask")
-            if not isinstance(mask, torch.Tensor) or shift.shape != mask.shape:
-                return forward(model, *args, **kwargs)
-            checks = (((mask != 0) | (shift == kwargs.get("ignore_index", -100))).all(),)
         keep = kwargs.get("logits_to_keep", 0)
         if (not isinstance(keep, int) or keep != 0 or kwargs.get("return_dict") is False
                 or not isinstance(base.forward, _UnpaddedDecoderForward)):
             return forward(model, *args, **kwargs)
+        labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
+        ignore = kwargs.get("ignore_index", -100)
+        if shift is None and labels is not None:
+            shift = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+        checks = ()
+        if shift is not None:
+            mask = kwargs.get("attention_mask")
+            if not isinstance(mask, torch.Tensor) or shift.shape != mask.shape:
+                return forward(model, *args, **kwargs)
+            checks = (((mask != 0) | (shift == ignore)).all(),)  # no pad's label counts
         own = {k: v for k, v in kwargs.items() if k not in ("labels", "shift_labels", "logits_to_keep")}
         plan = _decoder_packing(base, args, own, checks)
         if plan is None:
