@@ -32,8 +32,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "common.h"
@@ -43,12 +50,92 @@
 namespace fasttrans::cpu {
 namespace {
 
-// Tile sizes (rows x keys). 64 x 128 keeps S (32 KiB) and the 64 x D accumulator in L1/L2
-// for D <= 128; the backward holds four BN x BM tiles, hence the smaller key tile.
-constexpr int64_t kFwdBlockM = 64;
-constexpr int64_t kFwdBlockN = 128;
-constexpr int64_t kBwdBlockM = 64;
-constexpr int64_t kBwdBlockN = 64;
+// Tile sizes (rows x keys), per machine and head dim: 64 x 128 forward and 64 x 64
+// backward, halved (the longer side first, down to 16 x 16) until a tile step's working set
+// fits in half the L2, which leaves the rest to a head's K^T copy and the prefetchers. Larger
+// tiles bought nothing on the machines measured (benchmarks/README.md, "CPU attention tiles"),
+// so the rule only shrinks them, for a small L2 or a large head dim.
+//     forward:  S, the Q block and the O accumulator, the K^T and V tiles
+//               (BM BN + 2 BM D + 2 BN D) elements of the accumulation dtype
+//     backward: S^T, dP^T, dS; Q^T, dO^T and dQ; the K and V tiles and the dK, dV accumulators
+//               (3 BM BN + 3 BM D + 4 BN D)
+// FASTTRANS_CPU_ATTENTION_TILES="FMxFN,BMxBN" (forward, backward; read at the first call)
+// replaces the rule, for tuning and for the tests' ragged tiles.
+struct Tiles {
+  int64_t fwd_m, fwd_n, bwd_m, bwd_n;
+};
+
+constexpr int64_t kMinTile = 16;
+constexpr int64_t kDefaultL2Bytes = int64_t(1) << 20;  // when the machine does not say
+
+template <typename Fits>
+std::pair<int64_t, int64_t> shrink_tile(int64_t bm, int64_t bn, Fits fits) {
+  while (!fits(bm, bn) && std::max(bm, bn) > kMinTile) {
+    if (bn > bm) bn /= 2;
+    else bm /= 2;
+  }
+  return {bm, bn};
+}
+
+Tiles tiles_for_cache(int64_t D, int64_t elem, int64_t l2_bytes) {
+  const int64_t budget = l2_bytes / 2;
+  const auto [fm, fn] = shrink_tile(64, 128, [&](int64_t m, int64_t n) {
+    return (m * n + 2 * m * D + 2 * n * D) * elem <= budget;
+  });
+  const auto [bm, bn] = shrink_tile(64, 64, [&](int64_t m, int64_t n) {
+    return (3 * m * n + 3 * m * D + 4 * n * D) * elem <= budget;
+  });
+  return {fm, fn, bm, bn};
+}
+
+// Bytes of L2 per core: glibc's sysconf, else Linux's sysfs, else kDefaultL2Bytes.
+int64_t machine_l2_bytes() {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  const long sc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (sc > 0) return sc;
+#endif
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level(dir + "level"), type(dir + "type"), size(dir + "size");
+    int lv = 0;
+    std::string ty, sz;
+    if (!(level >> lv) || !(type >> ty) || !(size >> sz) || lv != 2 || ty == "Instruction") continue;
+    char* end = nullptr;
+    const long long n = std::strtoll(sz.c_str(), &end, 10);
+    const int64_t unit = *end == 'K' ? 1024 : *end == 'M' ? 1024 * 1024 : 1;
+    if (n > 0) return n * unit;
+  }
+  return kDefaultL2Bytes;
+}
+
+std::optional<Tiles> tiles_from_env() {
+  const char* env = std::getenv("FASTTRANS_CPU_ATTENTION_TILES");
+  if (!env || !*env) return std::nullopt;
+  long long v[4] = {0, 0, 0, 0};
+  int used = 0;
+  const bool parsed = std::sscanf(env, "%lldx%lld,%lldx%lld%n", &v[0], &v[1], &v[2], &v[3], &used) == 4 &&
+                      env[used] == '\0';
+  TORCH_CHECK(parsed && std::all_of(v, v + 4, [](long long t) { return t >= 1 && t <= 1024; }),
+              "FASTTRANS_CPU_ATTENTION_TILES: expected 'FMxFN,BMxBN' (forward and backward rows x keys, "
+              "each from 1 to 1024), got '", env, "'");
+  return Tiles{v[0], v[1], v[2], v[3]};
+}
+
+const std::optional<Tiles>& forced_tiles() {
+  static const std::optional<Tiles> forced = tiles_from_env();  // a throw leaves it to the next call
+  return forced;
+}
+
+int64_t this_machine_l2_bytes() {
+  static const int64_t l2_bytes = machine_l2_bytes();
+  return l2_bytes;
+}
+
+// The tiles the kernels use for head dim D and accumulation elements of elem bytes.
+Tiles attention_tiles(int64_t D, int64_t elem) {
+  if (forced_tiles()) return *forced_tiles();
+  return tiles_for_cache(D, elem, this_machine_l2_bytes());
+}
 
 // The tile for a sequence of L rows (or keys) with base tile `base`: a sequence that fits in
 // one and a half tiles is one tile, since a full tile plus a ragged remainder (64 + 27 rows
@@ -261,9 +348,6 @@ struct Rows {
 // rows the dots win; past 4 rows they stopped gaining on this project's CPU machines.
 constexpr int64_t kFwdDotRows = 4;
 
-bool fwd_transposes_tiles(int64_t Lq) {
-  return tile_for(Lq, kFwdBlockM) >= Lq;
-}
 
 // kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D).
 template <typename scalar_t>
@@ -271,10 +355,11 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
                           at::Tensor& out, at::Tensor& lse) {
   using T = acc_t<scalar_t>;
   const int64_t D = p.D, Lk = p.Lk;
-  const int64_t BM = tile_for(p.Lq, kFwdBlockM);
-  const int64_t BN = kFwdBlockN;
+  const Tiles tiles = attention_tiles(D, sizeof(T));
+  const int64_t BM = tile_for(p.Lq, tiles.fwd_m);
+  const int64_t BN = tiles.fwd_n;
   const int64_t n_qb = (p.Lq + BM - 1) / BM;
-  const bool tile_transpose = fwd_transposes_tiles(p.Lq);
+  const bool tile_transpose = BM >= p.Lq;
   constexpr int64_t W = Vec<T>::size();
 
   const Rows<const scalar_t> q_rows(q);
@@ -579,7 +664,9 @@ BwdSchedule choose_schedule(int64_t n_fused_items) {
 template <typename scalar_t>
 void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>>& x, at::Tensor& dk, at::Tensor& dv) {
   using T = acc_t<scalar_t>;
-  const int64_t D = p.D, BM = tile_for(p.Lq, kBwdBlockM), BN = tile_for(p.Lk, kBwdBlockN);
+  const int64_t D = p.D;
+  const Tiles tiles = attention_tiles(D, sizeof(T));
+  const int64_t BM = tile_for(p.Lq, tiles.bwd_m), BN = tile_for(p.Lk, tiles.bwd_n);
   const int64_t n_kb = (p.Lk + BN - 1) / BN;
   const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
   auto make_scratch = [&] { return BwdScratch<T>(BM, BN, D, p.dropout.enabled); };
@@ -699,6 +786,19 @@ void compute_delta(const at::Tensor& dout, const at::Tensor& out, at::Tensor& de
 }
 
 }  // namespace
+
+std::vector<int64_t> cpu_attention_tiles(int64_t head_dim, int64_t element_size, int64_t l2_bytes) {
+  TORCH_CHECK(head_dim >= 1, "cpu_attention_tiles: head_dim must be at least 1, got ", head_dim);
+  TORCH_CHECK(element_size == 4 || element_size == 8,
+              "cpu_attention_tiles: element_size must be 4 (float32 accumulation) or 8 (float64), got ",
+              element_size);
+  if (l2_bytes >= 0) {
+    const Tiles t = tiles_for_cache(head_dim, element_size, l2_bytes);
+    return {t.fwd_m, t.fwd_n, t.bwd_m, t.bwd_n, l2_bytes};
+  }
+  const Tiles t = attention_tiles(head_dim, element_size);
+  return {t.fwd_m, t.fwd_n, t.bwd_m, t.bwd_n, forced_tiles() ? 0 : this_machine_l2_bytes()};
+}
 
 // --------------------------------------------------------------------------------------
 // Op entry points

@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace fasttrans {
 
@@ -64,6 +65,11 @@ std::tuple<at::Tensor, at::Tensor> multihead_attention_fwd(
     const std::optional<at::Tensor>& in_bias, const at::Tensor& out_weight, const std::optional<at::Tensor>& out_bias,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths, bool is_causal,
     int64_t num_heads, bool seq_first, bool need_weights, bool average_weights);
+// the attention kernels' tiles for a head dim and an accumulation element size, and the L2
+// bytes they were chosen for: [fwd rows, fwd keys, bwd rows, bwd keys, l2 bytes]. l2_bytes < 0:
+// what the kernels use (l2 bytes 0 when FASTTRANS_CPU_ATTENTION_TILES sets them); else the
+// rule at that L2 size.
+std::vector<int64_t> cpu_attention_tiles(int64_t head_dim, int64_t element_size, int64_t l2_bytes);
 }  // namespace cpu
 
 namespace cuda {

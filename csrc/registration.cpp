@@ -32,6 +32,8 @@ TORCH_LIBRARY(fasttrans, m) {
   // every dispatch key
   m.def("cpu_cache_stats() -> int[]", &fasttrans::cpu::cpu_cache_stats);
   m.def("cpu_cache_clear() -> ()", &fasttrans::cpu::cpu_cache_clear);
+  m.def("cpu_attention_tiles(int head_dim, int element_size, int l2_bytes=-1) -> int[]",
+        &fasttrans::cpu::cpu_attention_tiles);
   // fasttrans.nn's inference path for a whole encoder or decoder layer (layer_cpu.cpp)
   m.def(
       "transformer_layer_fwd_extension(Tensor x, Tensor? memory, Tensor[] weights, Tensor?[] biases, "

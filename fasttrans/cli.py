@@ -83,6 +83,11 @@ def cmd_info(args: argparse.Namespace) -> int:
                 print(f"  {k}: {v}")
         else:
             print(f"  {info}")
+        tiles = extension.cpu_attention_tiles()
+        if tiles is not None:
+            (fm, fn), (bm, bn) = tiles["forward"], tiles["backward"]
+            basis = f"{tiles['l2_bytes'] // 1024} KiB of L2" if tiles["l2_bytes"] else "FASTTRANS_CPU_ATTENTION_TILES"
+            print(f"  CPU attention tiles, head dim 64: forward {fm}x{fn}, backward {bm}x{bn} ({basis})")
     return 0
 
 

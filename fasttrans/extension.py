@@ -24,6 +24,9 @@ Environment:
     FASTTRANS_CACHE              cache root (see above)
     FASTTRANS_CPU_ATTENTION_BWD  fused | split | auto: the CPU attention backward schedule
                                  (read by the kernel at every call; auto by default)
+    FASTTRANS_CPU_ATTENTION_TILES  FMxFN,BMxBN: the CPU attention tiles, forward and backward
+                                 (rows x keys; read at the first call; by default chosen from
+                                 the L2 size and head dim, see cpu_attention_tiles())
 """
 
 from __future__ import annotations
@@ -489,6 +492,27 @@ def cpu_cache_clear() -> None:
     """Return every cached block to the system; outputs still alive are not affected."""
     if _impl is not None:
         torch.ops.fasttrans.cpu_cache_clear()
+
+
+def cpu_attention_tiles(head_dim: int = 64, dtype: torch.dtype = torch.float32,
+                        l2_bytes: int | None = None) -> dict | None:
+    """The CPU attention kernels' tiles for ``head_dim`` and inputs of ``dtype``:
+    ``{"forward": (rows, keys), "backward": (rows, keys), "l2_bytes": n}``, where n is the
+    L2 size per core they were chosen for (0 when ``FASTTRANS_CPU_ATTENTION_TILES`` sets
+    them). With ``l2_bytes``, the rule's choice for that L2 size instead (csrc/attention_cpu.cpp).
+    None while the extension is not loaded in this process; never starts a build."""
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+        raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise ValueError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
+    if l2_bytes is not None and (not isinstance(l2_bytes, int) or isinstance(l2_bytes, bool) or l2_bytes < 0):
+        raise ValueError(f"l2_bytes: expected a non-negative int or None, got {l2_bytes!r}")
+    if _impl is None:
+        return None
+    element_size = 8 if dtype == torch.float64 else 4  # the accumulation dtype's
+    fm, fn, bm, bn, l2 = torch.ops.fasttrans.cpu_attention_tiles(
+        head_dim, element_size, -1 if l2_bytes is None else l2_bytes)
+    return {"forward": (fm, fn), "backward": (bm, bn), "l2_bytes": l2}
 
 
 def _ops_defined() -> bool:

@@ -567,3 +567,112 @@ def test_forced_extension_on_unsupported_device_says_why(ext):
     q = torch.randn(1, 1, 2, 4, device="meta")
     with fasttrans.use_backend("extension"), pytest.raises(fasttrans.BackendUnavailableError, match="meta"):
         fasttrans.attention(q, q, q)
+
+
+# ---------------------------------------------------------------------------------------
+# tiles: chosen per machine from its L2 size, or set by FASTTRANS_CPU_ATTENTION_TILES
+# ---------------------------------------------------------------------------------------
+_TILES_ENV = "FASTTRANS_CPU_ATTENTION_TILES"
+
+
+def _working_sets(D, elem, fwd, bwd):
+    """Bytes a forward and a backward tile step touch (csrc/attention_cpu.cpp, "Tile sizes")."""
+    (fm, fn), (bm, bn) = fwd, bwd
+    return (fm * fn + 2 * fm * D + 2 * fn * D) * elem, (3 * bm * bn + 3 * bm * D + 4 * bn * D) * elem
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("D", [8, 64, 128, 256])
+def test_tiles_shrink_to_fit_half_the_l2(ext, D, dtype):
+    from fasttrans.extension import cpu_attention_tiles
+
+    elem = 8 if dtype == torch.float64 else 4
+    previous = None
+    for l2 in (4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10, 64 << 10, 0):
+        t = cpu_attention_tiles(D, dtype, l2_bytes=l2)
+        assert t["l2_bytes"] == l2
+        fwd_bytes, bwd_bytes = _working_sets(D, elem, t["forward"], t["backward"])
+        # the largest tiles (64 x 128, 64 x 64) when they fit; else halved until they do or are 16 x 16
+        assert t["forward"] == (64, 128) or fwd_bytes <= l2 // 2 or t["forward"] == (16, 16), t
+        assert t["backward"] == (64, 64) or bwd_bytes <= l2 // 2 or t["backward"] == (16, 16), t
+        if t["forward"] != (16, 16):
+            assert fwd_bytes <= l2 // 2 and 2 * fwd_bytes > l2 // 2 or t["forward"] == (64, 128), t
+        if previous is not None:  # a smaller cache never gets larger tiles
+            for side in ("forward", "backward"):
+                assert all(a <= b for a, b in zip(t[side], previous[side])), (t, previous)
+        previous = t
+    # the machines measured (L2 of 1 and 2 MiB per core) keep the largest tiles in fp32
+    if dtype == torch.float32:
+        for l2 in (1 << 20, 2 << 20):
+            t = cpu_attention_tiles(D, dtype, l2_bytes=l2)
+            assert (t["forward"], t["backward"]) == ((64, 128), (64, 64))
+
+
+def test_tiles_follow_this_machine_or_the_setting(ext):
+    from fasttrans.extension import cpu_attention_tiles
+
+    fasttrans.attention(*_qkv(1, 1, 1, 2, 2, 8, torch.float32))  # the kernels have chosen
+    t = cpu_attention_tiles(64)
+    forced = os.environ.get(_TILES_ENV)
+    if forced:
+        fm, fn, bm, bn = (int(x) for x in forced.replace(",", "x").split("x"))
+        assert (t["forward"], t["backward"], t["l2_bytes"]) == ((fm, fn), (bm, bn), 0)
+        return
+    l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else -1
+    if l2 > 0:
+        assert t["l2_bytes"] == l2
+    assert t["l2_bytes"] > 0
+    assert t == cpu_attention_tiles(64, l2_bytes=t["l2_bytes"])
+
+
+def test_tiles_argument_errors(ext):
+    from fasttrans.extension import cpu_attention_tiles
+
+    for kw, name in [({"head_dim": 0}, "head_dim"), ({"dtype": torch.int32}, "dtype"), ({"l2_bytes": -1}, "l2_bytes")]:
+        with pytest.raises(ValueError, match=name):
+            cpu_attention_tiles(**kw)
+
+
+def _child(code, **env):
+    import subprocess
+    import sys
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTTRANS_") or k == "FASTTRANS_CACHE"}
+    full_env.update(env)
+    return subprocess.run([sys.executable, *code], capture_output=True, text=True, env=full_env, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_tiles_setting_is_validated(ext):
+    code = f"""
+import os, torch, fasttrans
+from fasttrans.extension import cpu_attention_tiles
+q = torch.randn(1, 1, 4, 8)
+for bad in ("64x128", "64x128,0x64", "64x128,64x2048", "64x128,64x64x", "big"):
+    os.environ["{_TILES_ENV}"] = bad
+    try:
+        fasttrans.attention(q, q, q)
+    except RuntimeError as e:
+        assert "{_TILES_ENV}" in str(e) and bad in str(e), e
+    else:
+        raise AssertionError(bad)
+os.environ["{_TILES_ENV}"] = "8x24,16x8"  # read at the first call that succeeds, then kept
+fasttrans.attention(q, q, q)
+os.environ["{_TILES_ENV}"] = "32x32,32x32"
+fasttrans.attention(q, q, q)
+print(cpu_attention_tiles(64))
+"""
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "{'forward': (8, 24), 'backward': (16, 8), 'l2_bytes': 0}"
+
+
+@pytest.mark.slow(minutes=0.3)
+def test_ragged_tiles_match_reference():
+    # This file's CPU tests again, with tiles that split every shape above unevenly (24 rows
+    # by 40 keys: blocks of 24 + a remainder, key tiles of 40 + a remainder).
+    proc = _child(["-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                   "-k", "not cuda and not split_over_threads and not ragged_tiles and not setting_is_validated"],
+                  **{_TILES_ENV: "24x40,24x40"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
