@@ -1,9 +1,10 @@
 """Each seed's model, rebuilt from fasttrans.nn blocks: shapes, gradients, masking, formulas.
 
-Seeds (in /work/shared/seeds): 000 a from-scratch Transformer (d_model 6, 9 layers, pad 0,
-exponent-doubled sinusoids), 001 the digits-average model on torch.nn.Transformer, 002 a
-shared-embedding model with sqrt(d_model) scaling, cos/sin-swapped sinusoids and a
-log-softmax generator, 003 an encoder with padding_idx=1, 004 the toy German -> English pair.
+The seeds are the five model designs this project started from: 000 a from-scratch
+Transformer (d_model 6, 9 layers, pad 0, exponent-doubled sinusoids), 001 the digits-average
+model on torch.nn.Transformer, 002 a shared-embedding model with sqrt(d_model) scaling,
+cos/sin-swapped sinusoids and a log-softmax generator, 003 an encoder with padding_idx=1,
+004 the toy German -> English pair.
 """
 
 from __future__ import annotations
