@@ -167,6 +167,7 @@ def convert(
     *,
     backend: str | None = None,
     inplace: bool = True,
+    dropout: bool = False,
 ) -> tuple[nn.Module, list[tuple[str, str]]]:
     """Swap torch.nn Transformer building blocks in ``model`` for fasttrans.nn twins.
 
@@ -175,6 +176,10 @@ def convert(
         backend: pin the converted modules to one backend ("triton", "extension",
             "reference"); None selects per call, as everywhere in fasttrans.
         inplace: modify ``model`` (default) or convert a deep copy of it.
+        dropout: also swap every other ``torch.nn.Dropout`` (the class itself, not a
+            subclass) for ``fasttrans.nn.Dropout`` with the same ``p``; by default only the
+            converted layers' own dropouts move. Its masks come from fasttrans's generator,
+            so they differ from torch's.
 
     Returns:
         (converted model, skipped) where skipped lists ``(qualified name, reason)`` for the
@@ -242,7 +247,7 @@ def convert(
             return m
         if type(m) in _SUPPORTED:
             result = twin_of(m, name) or m
-        elif in_twin and type(m) is nn.Dropout:  # a converted layer's dropouts use the fused kernel
+        elif (in_twin or dropout) and type(m) is nn.Dropout:  # a converted layer's dropouts use the fused kernel
             result = ftnn.Dropout(m.p, m.inplace)
             _adopt(result, m)
         elif isinstance(m, _SUPPORTED):

@@ -351,3 +351,36 @@ def test_layers_that_lost_a_child_or_gained_a_tensor_are_reported():
                        ("1", "its own parameters or buffers differ from torch's layout")]
     assert type(model[0]) is type(model[1]) is nn.TransformerEncoderLayer
     assert type(model[1].self_attn) is ftnn.MultiheadAttention  # their children are still converted
+
+
+def test_dropout_flag_moves_every_plain_dropout():
+    class MyDropout(nn.Dropout):
+        pass
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(D, D), nn.Dropout(0.2), nn.Sequential(nn.Dropout(0.4, inplace=True)),
+                             MyDropout(0.1), nn.TransformerEncoderLayer(D, H, 32, dropout=0.3, batch_first=True))
+
+    kept = build()
+    fasttrans.convert(kept)  # by default only the converted layer's own dropouts move
+    assert type(kept[1]) is nn.Dropout and type(kept[2][0]) is nn.Dropout
+    assert type(kept[4].dropout1) is ftnn.Dropout
+
+    model = build()
+    model[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model[2].eval()
+    seen = []
+    _, skipped = fasttrans.convert(model, dropout=True)
+    assert skipped == []
+    assert type(model[1]) is ftnn.Dropout and model[1].p == 0.2 and not model[1].inplace
+    assert type(model[2][0]) is ftnn.Dropout and model[2][0].p == 0.4 and model[2][0].inplace
+    assert not model[2][0].training  # its own mode, kept
+    assert type(model[3]) is MyDropout  # a subclass runs code of its own
+    assert type(model[4].dropout1) is ftnn.Dropout and model[4].dropout1.p == 0.3
+    x = torch.randn(2, 5, D)
+    y = model[1](x)
+    assert seen == [x.shape]  # the hook moved with it
+    kept_fraction = (y != 0).float().mean().item()
+    assert 0.7 < kept_fraction < 0.9
+    torch.testing.assert_close(y[y != 0], x[y != 0] / 0.8)

@@ -338,6 +338,32 @@ def test_apply_keeps_parameters_state_dict_and_checkpoints(tmp_path):
         torch.testing.assert_close(loaded(**kw).logits, want, rtol=0, atol=0)
 
 
+def test_apply_moves_dropout_modules_unless_asked_not_to():
+    from fasttrans import nn as ftnn
+
+    config = _config("bert")
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.25
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config)
+    kept, _ = ftt.apply(copy.deepcopy(model), dropout=False)
+    assert {type(m) for m in kept.modules() if isinstance(m, torch.nn.Dropout)} == {torch.nn.Dropout}
+    model, skipped = ftt.apply(model)
+    assert skipped == []
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(dropouts) == 7 and all(type(m) is ftnn.Dropout and m.p == 0.25 for m in dropouts)
+    kw, _ = _inputs("bert", left=False)
+    model.train()
+    torch.manual_seed(1)
+    first = model(**kw).logits
+    first.sum().backward()  # trains with the fused dropout
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(**kw).logits, first, rtol=0, atol=0)  # masks follow torch's seed
+    model.eval()
+    with torch.no_grad():  # off in eval mode: the model computes what it did with torch's dropout
+        torch.testing.assert_close(model(**kw).logits, kept.eval()(**kw).logits, rtol=RTOL, atol=ATOL)
+
+
 def test_rms_norm_matches_llama_and_t5_norms_in_half_precision():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm

@@ -431,15 +431,18 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
     return skipped
 
 
-def apply(model: nn.Module, *, attention: bool = True,
-          unpad: bool = False) -> tuple[nn.Module, list[tuple[str, str]]]:
+def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
+          dropout: bool = True) -> tuple[nn.Module, list[tuple[str, str]]]:
     """Move an existing transformers model onto fasttrans, in place.
 
     Replaces its RMS norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm` and its
     ``torch.nn.LayerNorm`` modules with ``fasttrans.nn.LayerNorm`` (``fasttrans.convert``),
     keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
     ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
-    calls :func:`register` and ``model.set_attn_implementation("fasttrans")``.
+    calls :func:`register` and ``model.set_attn_implementation("fasttrans")``. With
+    ``dropout``, its ``torch.nn.Dropout`` modules become ``fasttrans.nn.Dropout`` (same ``p``,
+    fasttrans's random masks instead of torch's); the dropout a model applies through
+    ``torch.nn.functional`` (most of BART's and Marian's) stays torch's.
 
     With ``unpad`` (and ``attention``), BERT-family encoders (BERT, RoBERTa, XLM-R,
     CamemBERT, ELECTRA) and Llama and Qwen2 models (when they fill no cache: in training,
@@ -475,7 +478,7 @@ def apply(model: nn.Module, *, attention: bool = True,
     skipped += _replace_norms(model)
     with warnings.catch_warnings():  # one warning, below, for everything left
         warnings.simplefilter("ignore", UserWarning)
-        model, more = conversion.convert(model)
+        model, more = conversion.convert(model, dropout=dropout)
     named = {n for n, _ in skipped}
     skipped += [(n, why) for n, why in more if n not in named]
     if skipped:
