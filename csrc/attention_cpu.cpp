@@ -67,6 +67,9 @@ struct Tiles {
 
 constexpr int64_t kMinTile = 16;
 constexpr int64_t kDefaultL2Bytes = int64_t(1) << 20;  // when the machine does not say
+// Below this a reported L2 size is taken as wrong (some virtual machines report a few KiB or
+// an L1 size): x86 and Arm server cores of the last decade have 256 KiB or more.
+constexpr int64_t kMinPlausibleL2Bytes = int64_t(128) << 10;
 
 template <typename Fits>
 std::pair<int64_t, int64_t> shrink_tile(int64_t bm, int64_t bn, Fits fits) {
@@ -92,7 +95,7 @@ Tiles tiles_for_cache(int64_t D, int64_t elem, int64_t l2_bytes) {
 int64_t machine_l2_bytes() {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
   const long sc = sysconf(_SC_LEVEL2_CACHE_SIZE);
-  if (sc > 0) return sc;
+  if (sc >= kMinPlausibleL2Bytes) return sc;
 #endif
   for (int i = 0; i < 8; ++i) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
@@ -103,7 +106,7 @@ int64_t machine_l2_bytes() {
     char* end = nullptr;
     const long long n = std::strtoll(sz.c_str(), &end, 10);
     const int64_t unit = *end == 'K' ? 1024 : *end == 'M' ? 1024 * 1024 : 1;
-    if (n > 0) return n * unit;
+    if (n * unit >= kMinPlausibleL2Bytes) return n * unit;
   }
   return kDefaultL2Bytes;
 }

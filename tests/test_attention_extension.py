@@ -619,9 +619,9 @@ def test_tiles_follow_this_machine_or_the_setting(ext):
         assert (t["forward"], t["backward"], t["l2_bytes"]) == ((fm, fn), (bm, bn), 0)
         return
     l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else -1
-    if l2 > 0:
+    if l2 >= 128 << 10:  # smaller reports are taken as wrong (csrc/attention_cpu.cpp)
         assert t["l2_bytes"] == l2
-    assert t["l2_bytes"] > 0
+    assert t["l2_bytes"] >= 128 << 10
     assert t == cpu_attention_tiles(64, l2_bytes=t["l2_bytes"])
 
 
