@@ -24,6 +24,7 @@ Environment:
     FASTTRANS_CACHE              cache root (see above)
     FASTTRANS_CPU_ATTENTION_BWD  fused | split | auto: the CPU attention backward schedule
                                  (read by the kernel at every call; auto by default)
+    FASTTRANS_CPU_ARCH           the -march target of the CPU code (default: native)
     FASTTRANS_CPU_ATTENTION_TILES  FMxFN,BMxBN: the CPU attention tiles, forward and backward
                                  (rows x keys; read at the first call; by default chosen from
                                  the L2 size and head dim, see cpu_attention_tiles())
@@ -123,14 +124,23 @@ def _host_flags(cxx: str) -> tuple[list[str], str, list[str]]:
     """Optimisation flags for this host: (cflags, the macros they define, notes).
 
     Tries ``-march=native`` then ``-mcpu=native`` (some non-x86 compilers), else builds
-    for the compiler's default target. When the target has AVX-512 (F, BW, VL, DQ) or
+    for the compiler's default target; ``FASTTRANS_CPU_ARCH`` names the ``-march`` target
+    instead (the tests build x86-64-v3, AVX2 without AVX-512, and x86-64 to run the code
+    paths of other CPUs). When the target has AVX-512 (F, BW, VL, DQ) or
     AVX2 + FMA, defines CPU_CAPABILITY so ATen's Vectorized<float> uses those registers
     (ATen itself sets this per kernel file; without it Vectorized is a scalar fallback).
     """
     notes = []
     arch: list[str] = []
     macros = None
-    for candidate in (["-march=native"], ["-mcpu=native"]):
+    forced = os.environ.get("FASTTRANS_CPU_ARCH", "").strip()
+    if forced:
+        arch = [f"-march={forced}"]
+        macros = _predefined_macros(cxx, arch)
+        if macros is None:
+            raise ExtensionBuildError(f"FASTTRANS_CPU_ARCH: the compiler {cxx} rejects -march={forced}; expected "
+                                      "a target it knows, such as native, x86-64-v3 (AVX2) or x86-64")
+    for candidate in () if forced else (["-march=native"], ["-mcpu=native"]):
         macros = _predefined_macros(cxx, candidate)
         if macros is not None:
             arch = candidate

@@ -665,14 +665,3 @@ print(cpu_attention_tiles(64))
     proc = _child(["-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "{'forward': (8, 24), 'backward': (16, 8), 'l2_bytes': 0}"
-
-
-@pytest.mark.slow(minutes=0.3)
-def test_ragged_tiles_match_reference():
-    # This file's CPU tests again, with tiles that split every shape above unevenly (24 rows
-    # by 40 keys: blocks of 24 + a remainder, key tiles of 40 + a remainder).
-    proc = _child(["-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                   "-k", "not cuda and not split_over_threads and not ragged_tiles and not setting_is_validated"],
-                  **{_TILES_ENV: "24x40,24x40"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
