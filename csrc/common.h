@@ -26,7 +26,7 @@
 #include "philox.h"
 #include "philox_cpu.h"
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -96,11 +96,37 @@ inline __m512 exp_avx512(__m512 x) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// exp_avx512 for AVX2: the same reduction and polynomial, 2^n built in the exponent field,
+// 0 below ln(FLT_MIN), NaN kept. Without vscalefps 2^128 has no float, so from
+// 127.5 ln 2 = 88.376 on (results past 2.4e38) it gives inf; the kernels call it on x <= 0.
+inline __m256 exp_avx2(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(0.00828929059f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0418978221f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166676521f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.499991506f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.999999701f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(127.0f))), _mm256_set1_epi32(127)), 23);
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654022216797f), _CMP_NLT_UQ);
+  const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.37626266479492f), _CMP_GE_OQ);
+  return _mm256_blendv_ps(_mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e))),
+                          _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
+}
+#endif
+
 template <typename T>
 inline Vec<T> vexp(const Vec<T>& x) {
   if constexpr (std::is_same_v<T, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
     return Vec<T>(exp_avx512(x));
+#elif defined(CPU_CAPABILITY_AVX2)
+    return Vec<T>(exp_avx2(x));
 #else
     return x.exp_u20();  // ~20 ulp polynomial; exp(-inf) = 0 (attention probabilities)
 #endif
@@ -171,10 +197,48 @@ inline float row_max_avx512(const float* x, float* dst, int64_t n, float a) {  /
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// row_max_avx512 for AVX2: NaNs tracked in a vector of unordered compares, a partial last
+// vector through ATen's partial load and store.
+template <bool kScale>
+inline float row_max_avx2(const float* x, float* dst, int64_t n, float a) {  // dst: x scaled
+  const __m256 va = _mm256_set1_ps(a), lowest = _mm256_set1_ps(neg_inf<float>());
+  __m256 m0 = lowest, m1 = lowest, nan = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
+    if constexpr (kScale) {
+      v0 = _mm256_mul_ps(v0, va);
+      v1 = _mm256_mul_ps(v1, va);
+      _mm256_storeu_ps(dst + k, v0);
+      _mm256_storeu_ps(dst + k + 8, v1);
+    }
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+    m0 = _mm256_max_ps(m0, v0);
+    m1 = _mm256_max_ps(m1, v1);
+  }
+  for (; k < n; k += 8) {
+    const int64_t c = std::min<int64_t>(8, n - k);
+    Vec<float> v = Vec<float>::loadu(x + k, c);
+    if constexpr (kScale) {
+      v = v * Vec<float>(a);
+      v.store(dst + k, c);
+    }
+    v = Vec<float>::set(Vec<float>(neg_inf<float>()), v, c);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m0 = _mm256_max_ps(m0, v);
+  }
+  if (_mm256_movemask_ps(nan)) return std::numeric_limits<float>::quiet_NaN();
+  return lane_max(Vec<float>(_mm256_max_ps(m0, m1)));
+}
+#endif
+
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) return row_max_avx512<false>(x, nullptr, n, 1.f);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return row_max_avx2<false>(x, nullptr, n, 1.f);
 #endif
   constexpr int64_t W = Vec<T>::size();
   // two accumulators: one would make the row's loads a chain of dependent max latencies
@@ -194,6 +258,8 @@ template <typename T>
 inline T scale_row_max(T* x, int64_t n, T a) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) return row_max_avx512<true>(x, x, n, a);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return row_max_avx2<true>(x, x, n, a);
 #endif
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> va(a);
