@@ -464,7 +464,8 @@ inline void store_scaled(const T* src, out_t* dst, int64_t n, T a) {
 // fp32 with AVX-512: fully unrolled, the 16 rows held in registers (unpack 32-bit, unpack
 // 64-bit, two rounds of 128-bit lane shuffles). ATen's at::vec::transpose_mxn takes M and N at
 // run time and passes its rows through memory between the stages, which showed in profiles
-// of the short-sequence attention backward. Other types and ISAs use at::vec::transpose_mxn.
+// of the short-sequence attention backward. fp32 with AVX2 takes ATen's compile-time 16 x 16
+// for full blocks; other types, ISAs and partial blocks use at::vec::transpose_mxn.
 #if defined(CPU_CAPABILITY_AVX512)
 inline void transpose16_f32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int M, int N) {
   const __mmask16 cols = static_cast<__mmask16>((1u << N) - 1);
@@ -513,6 +514,13 @@ inline void transpose_upto16(const T* src, int64_t ld_src, T* dst, int64_t ld_ds
   if constexpr (std::is_same_v<T, float>) {
     transpose16_f32(src, ld_src, dst, ld_dst, M, N);
     return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    if (M == 16 && N == 16) {  // ATen's in-register 8 x 8 transposes, for the full blocks
+      at::vec::transpose_mxn<float, 16, 16>(src, ld_src, dst, ld_dst);
+      return;
+    }
   }
 #endif
   at::vec::transpose_mxn<T>(src, ld_src, dst, ld_dst, M, N);
