@@ -351,7 +351,6 @@ struct Rows {
 // rows the dots win; past 4 rows they stopped gaining on this project's CPU machines.
 constexpr int64_t kFwdDotRows = 4;
 
-
 // kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D).
 template <typename scalar_t>
 void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Tensor& kn, const at::Tensor& vn,

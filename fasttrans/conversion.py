@@ -10,7 +10,8 @@ copied), its training mode and hooks, and the module's own children: those of th
 above are converted in turn (a layer's nn.Dropout becomes the fused fasttrans.nn.Dropout
 with the same p), any other child (a Linear subclass, a parametrized Linear, an Identity
 put in place of a dropout) is kept as it is, so per-sublayer settings and replacements
-survive. State-dict keys do not change. A module held at several paths gets one twin.
+survive; ``convert(model, dropout=True)`` moves every other plain nn.Dropout too. State-dict
+keys do not change. A module held at several paths gets one twin.
 A replaced module is not modified (a container of its that holds converted modules is
 copied for the twin), so code that still holds it computes what it did.
 
@@ -247,7 +248,7 @@ def convert(
             return m
         if type(m) in _SUPPORTED:
             result = twin_of(m, name) or m
-        elif (in_twin or dropout) and type(m) is nn.Dropout:  # a converted layer's dropouts use the fused kernel
+        elif (in_twin or dropout) and type(m) is nn.Dropout:  # a converted layer's, or every one if asked
             result = ftnn.Dropout(m.p, m.inplace)
             _adopt(result, m)
         elif isinstance(m, _SUPPORTED):

@@ -125,8 +125,8 @@ def _host_flags(cxx: str) -> tuple[list[str], str, list[str]]:
 
     Tries ``-march=native`` then ``-mcpu=native`` (some non-x86 compilers), else builds
     for the compiler's default target; ``FASTTRANS_CPU_ARCH`` names the ``-march`` target
-    instead (the tests build x86-64-v3, AVX2 without AVX-512, and x86-64 to run the code
-    paths of other CPUs). When the target has AVX-512 (F, BW, VL, DQ) or
+    instead (tests/test_cpu_isa.py builds x86-64-v3, AVX2 without AVX-512, to run the code
+    path of other CPUs). When the target has AVX-512 (F, BW, VL, DQ) or
     AVX2 + FMA, defines CPU_CAPABILITY so ATen's Vectorized<float> uses those registers
     (ATen itself sets this per kernel file; without it Vectorized is a scalar fallback).
     """

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the kernels' comparisons with the reference and their bit-exact checks, not the build,
 # packaging or process tests of those files
 _SELECTION = (
-    "not cuda and not triton and not split_over_threads and not setting_is_validated and not other_instruction_set and ("
+    "not cuda and not triton and not split_over_threads and not setting_is_validated "
+    "and not other_instruction_set and ("
     "test_attention_extension or matches_reference or large_outputs or rows_ or very_wide or zero_eps "
     "or default_eps or deterministic or gradcheck or strided or without_weight or fp32_parameters "
     "or extension_mask or every_backend or forward_and_backward or flags_follow)"
