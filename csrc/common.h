@@ -161,84 +161,87 @@ inline T lane_max(const Vec<T>& v) {
   return at::vec::vec_reduce_all<T>([](const Vec<T>& a, const Vec<T>& b) { return at::vec::maximum(a, b); }, v);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// row_max / scale_row_max for fp32: the plain max instruction, with NaNs tracked apart (one
+// unordered compare per two vectors) instead of at::vec::maximum's compare-and-blend at every
+// step. F32Simd: the few instructions that differ between AVX-512 (NaNs in a mask register)
+// and AVX2 (in a vector).
 #if defined(CPU_CAPABILITY_AVX512)
-// row_max / scale_row_max for fp32: plain vmaxps, with NaNs tracked in a mask register (one
-// compare per two vectors) instead of at::vec::maximum's compare-and-blend at every step.
-template <bool kScale>
-inline float row_max_avx512(const float* x, float* dst, int64_t n, float a) {  // dst: x scaled
-  const __m512 va = _mm512_set1_ps(a), lowest = _mm512_set1_ps(neg_inf<float>());
-  __m512 m0 = lowest, m1 = lowest;
-  __mmask16 nan = 0;
-  int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    __m512 v0 = _mm512_loadu_ps(x + k), v1 = _mm512_loadu_ps(x + k + 16);
-    if constexpr (kScale) {
-      v0 = _mm512_mul_ps(v0, va);
-      v1 = _mm512_mul_ps(v1, va);
-      _mm512_storeu_ps(dst + k, v0);
-      _mm512_storeu_ps(dst + k + 16, v1);
-    }
-    nan |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q);
-    m0 = _mm512_max_ps(m0, v0);
-    m1 = _mm512_max_ps(m1, v1);
+struct F32Simd {
+  using V = __m512;
+  using Nan = __mmask16;
+  static constexpr int64_t W = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static Nan no_nan() { return 0; }
+  static Nan add_nans(Nan acc, V a, V b) { return acc | _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static bool any(Nan acc) { return acc != 0; }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+};
+#else
+struct F32Simd {
+  using V = __m256;
+  using Nan = __m256;
+  static constexpr int64_t W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static Nan no_nan() { return _mm256_setzero_ps(); }
+  static Nan add_nans(Nan acc, V a, V b) { return _mm256_or_ps(acc, _mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
+  static bool any(Nan acc) { return _mm256_movemask_ps(acc) != 0; }
+  static float reduce_max(V v) {  // no NaN left: plain max instructions
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
   }
-  for (; k < n; k += 16) {
-    const __mmask16 t = k + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - k)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(t, x + k);
-    if constexpr (kScale) {
-      v = _mm512_mul_ps(v, va);
-      _mm512_mask_storeu_ps(dst + k, t, v);
-    }
-    nan |= _mm512_mask_cmp_ps_mask(t, v, v, _CMP_UNORD_Q);
-    m0 = _mm512_max_ps(m0, _mm512_mask_blend_ps(t, lowest, v));
-  }
-  if (nan) return std::numeric_limits<float>::quiet_NaN();
-  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-}
+};
 #endif
 
-#if defined(CPU_CAPABILITY_AVX2)
-// row_max_avx512 for AVX2: NaNs tracked in a vector of unordered compares, a partial last
-// vector through ATen's partial load and store.
 template <bool kScale>
-inline float row_max_avx2(const float* x, float* dst, int64_t n, float a) {  // dst: x scaled
-  const __m256 va = _mm256_set1_ps(a), lowest = _mm256_set1_ps(neg_inf<float>());
-  __m256 m0 = lowest, m1 = lowest, nan = _mm256_setzero_ps();
+inline float row_max_simd(const float* x, float* dst, int64_t n, float a) {  // dst: x scaled
+  using S = F32Simd;
+  constexpr int64_t W = S::W;
+  const S::V va = S::set1(a), lowest = S::set1(neg_inf<float>());
+  S::V m0 = lowest, m1 = lowest;
+  S::Nan nan = S::no_nan();
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
+  for (; k + 2 * W <= n; k += 2 * W) {
+    S::V v0 = S::load(x + k), v1 = S::load(x + k + W);
     if constexpr (kScale) {
-      v0 = _mm256_mul_ps(v0, va);
-      v1 = _mm256_mul_ps(v1, va);
-      _mm256_storeu_ps(dst + k, v0);
-      _mm256_storeu_ps(dst + k + 8, v1);
+      v0 = S::mul(v0, va);
+      v1 = S::mul(v1, va);
+      S::store(dst + k, v0);
+      S::store(dst + k + W, v1);
     }
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
-    m0 = _mm256_max_ps(m0, v0);
-    m1 = _mm256_max_ps(m1, v1);
+    nan = S::add_nans(nan, v0, v1);
+    m0 = S::max(m0, v0);
+    m1 = S::max(m1, v1);
   }
-  for (; k < n; k += 8) {
-    const int64_t c = std::min<int64_t>(8, n - k);
+  for (; k < n; k += W) {  // the rest, the last vector partial: ATen's partial load and store
+    const int64_t c = std::min<int64_t>(W, n - k);
     Vec<float> v = Vec<float>::loadu(x + k, c);
     if constexpr (kScale) {
       v = v * Vec<float>(a);
       v.store(dst + k, c);
     }
     v = Vec<float>::set(Vec<float>(neg_inf<float>()), v, c);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    m0 = _mm256_max_ps(m0, v);
+    nan = S::add_nans(nan, v, v);
+    m0 = S::max(m0, v);
   }
-  if (_mm256_movemask_ps(nan)) return std::numeric_limits<float>::quiet_NaN();
-  return lane_max(Vec<float>(_mm256_max_ps(m0, m1)));
+  if (S::any(nan)) return std::numeric_limits<float>::quiet_NaN();
+  return S::reduce_max(S::max(m0, m1));
 }
 #endif
 
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) return row_max_avx512<false>(x, nullptr, n, 1.f);
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) return row_max_avx2<false>(x, nullptr, n, 1.f);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return row_max_simd<false>(x, nullptr, n, 1.f);
 #endif
   constexpr int64_t W = Vec<T>::size();
   // two accumulators: one would make the row's loads a chain of dependent max latencies
@@ -256,10 +259,8 @@ inline T row_max(const T* x, int64_t n) {
 // x[k] *= a, returning the row's max afterwards (row_max of the scaled row) in the same pass.
 template <typename T>
 inline T scale_row_max(T* x, int64_t n, T a) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) return row_max_avx512<true>(x, x, n, a);
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) return row_max_avx2<true>(x, x, n, a);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return row_max_simd<true>(x, x, n, a);
 #endif
   constexpr int64_t W = Vec<T>::size();
   const Vec<T> va(a);
