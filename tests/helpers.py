@@ -319,6 +319,16 @@ def transformer_module(lib, case: dict, final_norm, transformer_layers: int | No
     raise ValueError(f"kind: expected one of {TRANSFORMER_KINDS}, got {kind!r}")
 
 
+def run_python(args: list[str], timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """``python *args`` in a child process at the repository root, with this process's
+    environment less fasttrans's settings (the extension cache kept, so that the child reuses
+    its builds) plus ``env``; its output captured."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTTRANS_") or k == "FASTTRANS_CACHE"}
+    child_env.update(env)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=child_env, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
 # The stand-in CUDA driver (benchmarks/standin_cuda.py): Triton's real launcher without a GPU,
 # in a child process without the interpreter.
 needs_c_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

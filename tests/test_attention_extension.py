@@ -17,7 +17,7 @@ from fasttrans import backends, reference
 from fasttrans import functional as ftf
 
 from helpers import (assert_close_lowp, attention_keep, cast_floating, huge_score_rows, make_bool_mask, make_float_mask,
-                     philox4x32_10, require_extension, subnormal_weight_with_inf_value)
+                     philox4x32_10, require_extension, run_python, subnormal_weight_with_inf_value)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -633,16 +633,6 @@ def test_tiles_argument_errors(ext):
             cpu_attention_tiles(**kw)
 
 
-def _child(code, **env):
-    import subprocess
-    import sys
-
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTTRANS_") or k == "FASTTRANS_CACHE"}
-    full_env.update(env)
-    return subprocess.run([sys.executable, *code], capture_output=True, text=True, env=full_env, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def test_tiles_setting_is_validated(ext):
     code = f"""
 import os, torch, fasttrans
@@ -662,6 +652,6 @@ os.environ["{_TILES_ENV}"] = "32x32,32x32"
 fasttrans.attention(q, q, q)
 print(cpu_attention_tiles(64))
 """
-    proc = _child(["-c", code])
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "{'forward': (8, 24), 'backward': (16, 8), 'l2_bytes': 0}"

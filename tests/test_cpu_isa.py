@@ -11,13 +11,13 @@ keys), in a child process.
 
 import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fasttrans import extension
+
+from helpers import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 # the kernels' comparisons with the reference and their bit-exact checks, not the build,
@@ -59,13 +59,11 @@ def test_other_instruction_set_matches_reference(ext):
     if other is None:
         pytest.skip(f"builds an x86-64 instruction set; this machine is {platform.machine()}")
     arch, capability = other
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTTRANS_") or k == "FASTTRANS_CACHE"}
-    env.update(FASTTRANS_CPU_ARCH=arch, EXPECT_CPU_CAPABILITY=capability,
-               FASTTRANS_CPU_ATTENTION_TILES="24x40,24x40")
     files = [str(REPO / "tests" / f) for f in
              ("test_attention_extension.py", "test_layernorm_extension.py", "test_dropout.py", "test_cpu_isa.py")]
-    proc = subprocess.run([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-k", _SELECTION], capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    proc = run_python(["-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", _SELECTION],
+                      timeout=1200, FASTTRANS_CPU_ARCH=arch, EXPECT_CPU_CAPABILITY=capability,
+                      FASTTRANS_CPU_ATTENTION_TILES="24x40,24x40")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
 
@@ -73,10 +71,7 @@ def test_other_instruction_set_matches_reference(ext):
 def test_a_target_the_compiler_rejects_is_named(ext, tmp_path):
     code = ("from fasttrans import extension\n"
             "try:\n    extension.load()\nexcept extension.ExtensionBuildError as e:\n    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTTRANS_")}
-    env.update(FASTTRANS_CPU_ARCH="no-such-cpu", FASTTRANS_CACHE=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
+    proc = run_python(["-c", code], timeout=300, FASTTRANS_CPU_ARCH="no-such-cpu", FASTTRANS_CACHE=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FASTTRANS_CPU_ARCH" in proc.stdout and "-march=no-such-cpu" in proc.stdout, proc.stdout
     assert not any(tmp_path.iterdir())  # refused before anything is built
