@@ -99,7 +99,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
 
 def _feature_alone(target: dict, feature: str) -> dict:
     """A heavy forward target specialised for one feature alone ("bool" mask or "dropout"),
-    so that compile-check counts that feature's own cost in the loop; built, not shipped apart."""
+    or for none ("plain", the count the other two are compared with), so that compile-check
+    counts that feature's own cost in the loop; built, not shipped apart."""
     c = dict(target["constexprs"], IS_CAUSAL=False, HAS_KEY_LENGTHS=False, HAS_DROPOUT=feature == "dropout",
              MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE)
     signature = dict(target["signature"])
@@ -152,10 +153,10 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, dropout_mask, tile_map) -> lis
             for dclass, weight in table[arch]:
                 if (name, dclass, weight) in LOOP_GOALS and arch == "sm_90":
                     targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
-            if stage == "fwd" and arch == "sm_90":  # the loop's cost of a dense mask, and of dropout, alone
+            if stage == "fwd" and arch == "sm_90":  # the loop alone, with a dense mask alone, with dropout alone
                 for dclass in (64, 128):
                     heavy = builds(table[arch][(dclass, "heavy")][:1], dclass, "heavy")[0]
-                    targets += [_feature_alone(heavy, feature) for feature in ("bool", "dropout")]
+                    targets += [_feature_alone(heavy, feature) for feature in ("plain", "bool", "dropout")]
             # fp32: every entry of its own tables, in the precision its class runs
             ieee = FP32_IEEE_CLASSES[stage][arch]
             for (dclass, weight), cfgs in table_fp32[arch].items():

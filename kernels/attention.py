@@ -244,13 +244,12 @@ def _dropout_keep_tile(seed, threshold, b, h, offs_m, start_n, BLOCK_N: tl.const
 @triton.jit
 def _apply_dense_mask(s, mask_ptrs, load_ok, dense, MASK_KIND: tl.constexpr):
     """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the
-    load and is all false on a tile that is not dense (_tile_dense), which then reads True or 0."""
-    if MASK_KIND == 1:
-        mval = tl.load(mask_ptrs, mask=load_ok, other=(~dense).to(tl.uint8))
-    else:
-        mval = tl.load(mask_ptrs, mask=load_ok, other=0)
+    load and is all false on a tile that is not dense (_tile_dense), which then counts as all
+    True or 0. Lanes not loaded read 0, which cp.async fills for free; a bool tile ORs in
+    ``~dense`` after the load (a fill of ``~dense`` cost a select per score)."""
+    mval = tl.load(mask_ptrs, mask=load_ok, other=0)
     if MASK_KIND == 1:  # MASK_BOOL: nonzero = may attend
-        s = tl.where(mval != 0, s, float("-inf"))
+        s = tl.where((mval != 0) | ~dense, s, float("-inf"))
     else:
         mf = mval.to(tl.float32)
         # finite values past MASK_LIMIT are clamped to it; infinities and NaN pass as they are
