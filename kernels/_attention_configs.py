@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BWD_PREPROCESS_CONFIGS", "BWD_PREPROCESS_CONFIGS_FP32", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -90,11 +90,11 @@ BWD_DQ_CONFIGS = {
         (64, "heavy"): [_cfg(64, 32, 4, 2)],
         (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
-        (256, "light"): [_cfg(64, 32, 4, 2)],
-        (256, "heavy"): [_cfg(64, 16, 8, 3)],
+        (256, "light"): [_cfg(128, 32, 8, 2)],
+        (256, "heavy"): [_cfg(32, 16, 4, 2)],  # mma.sync: every 64-row tile spills
     },
     "sm_80": {
-        (64, "light"): [_cfg(128, 32, 4, 2), _cfg(64, 32, 4, 2)],
+        (64, "light"): [_cfg(128, 32, 4, 1), _cfg(64, 32, 4, 2)],
         (64, "heavy"): [_cfg(64, 16, 4, 2)],
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 8, 2)],
@@ -128,12 +128,12 @@ FWD_CONFIGS_FP32 = {
 }
 BWD_DKDV_CONFIGS_FP32 = {
     "sm_90": {
-        (64, "light"): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+        (64, "light"): [_cfg(32, 128, 8, 1), _cfg(16, 128, 8, 2)],
         (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 32, 4, 2)],
         (128, "light"): [_cfg(16, 16, 4, 1)],
         (128, "heavy"): [_cfg(16, 16, 4, 1)],
         (256, "light"): [_cfg(16, 32, 4, 1)],
-        (256, "heavy"): [_cfg(16, 32, 4, 1)],
+        (256, "heavy"): [_cfg(16, 32, 8, 2)],
     },
     "sm_80": {
         (64, "light"): [_cfg(16, 32, 4, 1)],
@@ -148,18 +148,18 @@ BWD_DQ_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(128, 64, 8, 1), _cfg(128, 32, 8, 2)],
         (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 1)],
-        (128, "light"): [_cfg(16, 32, 4, 1)],
+        (128, "light"): [_cfg(16, 32, 4, 2)],
         (128, "heavy"): [_cfg(16, 16, 8, 1)],
-        (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 8, 1)],
+        (256, "light"): [_cfg(16, 16, 4, 2)],
+        (256, "heavy"): [_cfg(16, 16, 8, 2)],
     },
     "sm_80": {
         (64, "light"): [_cfg(32, 32, 4, 1), _cfg(32, 16, 4, 1)],
-        (64, "heavy"): [_cfg(32, 16, 4, 1), _cfg(32, 32, 8, 1)],
+        (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(32, 32, 8, 1)],
         (128, "light"): [_cfg(32, 16, 8, 1), _cfg(16, 32, 4, 1)],
-        (128, "heavy"): [_cfg(16, 16, 4, 1)],
-        (256, "light"): [_cfg(16, 16, 4, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+        (128, "heavy"): [_cfg(16, 16, 8, 2)],
+        (256, "light"): [_cfg(16, 16, 8, 2)],
+        (256, "heavy"): [_cfg(16, 16, 8, 2)],
     },
 }
 # Triton 3.6's ptxas (the Triton of torch 2.11) spills in these classes' entries above,
@@ -176,13 +176,19 @@ BEFORE_TRITON_3_9 = {
     ("BWD_DKDV_CONFIGS", "sm_90", (64, "heavy")): [_cfg(32, 64, 4, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "light")): [_cfg(32, 128, 8, 2), _cfg(16, 64, 4, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "heavy")): [_cfg(16, 64, 8, 2)],
-    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(32, 128, 8, 1), _cfg(16, 128, 8, 2)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 32, 4, 2), _cfg(16, 16, 4, 1)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_90", (256, "heavy")): [_cfg(16, 32, 8, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_80", (64, "heavy")): [_cfg(16, 32, 4, 1)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_80", (64, "heavy")): [_cfg(16, 32, 8, 1), _cfg(16, 16, 4, 1)],
     ("BWD_DQ_CONFIGS", "sm_90", (256, "light")): [_cfg(64, 32, 8, 2)],
-    ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 1)],
-    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 16, 4, 1)],
+    ("BWD_DQ_CONFIGS", "sm_90", (128, "light")): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 1)],
+    ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
+    ("BWD_DQ_CONFIGS", "sm_80", (128, "heavy")): [_cfg(64, 16, 8, 2)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(128, 32, 8, 1), _cfg(128, 32, 8, 2)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(64, 16, 4, 1)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 16, 8, 2)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
 }
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 if TRITON_VERSION < (3, 9):
@@ -197,12 +203,6 @@ FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run
     "dkdv": {"sm_90": _BOTH, "sm_80": _BOTH | {(128, "heavy")}},
 }
 del _BOTH
-# delta = rowsum(dO * O): one configuration per head-dim class and precision, not tuned. Its
-# BLOCK_M rows share one flag of rows of huge scores, which the dQ kernel reads per query
-# tile: at least the dQ tables' largest BLOCK_M of the class. BLOCK_N is the key tile of
-# those rows' statistics (rare, so small: the kernel's registers stay few).
-BWD_PREPROCESS_CONFIGS = {64: _cfg(128, 16, 4, 1), 128: _cfg(128, 16, 8, 1), 256: _cfg(64, 16, 8, 1)}
-BWD_PREPROCESS_CONFIGS_FP32 = {64: _cfg(128, 16, 4, 1), 128: _cfg(64, 16, 8, 1), 256: _cfg(32, 16, 4, 1)}
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
 TILE_MAP_CONFIG = triton.Config({}, num_warps=4, num_stages=1)  # one pass over a mask: not tuned
 
@@ -212,6 +212,5 @@ INTERPRETER_CONFIGS = {
     "fwd": _cfg(32, 16, 4, 1),
     "dkdv": _cfg(16, 32, 4, 1),
     "dq": _cfg(32, 16, 4, 1),
-    "preprocess": _cfg(32, 16, 4, 1),
     "dropout_mask": _cfg(64, 128, 4, 1),  # large: the interpreter's cost is per tile operation
 }

@@ -9,7 +9,6 @@ import it, which would make the two import each other.
 from __future__ import annotations
 
 import inspect
-import itertools
 
 import torch
 import triton
@@ -17,15 +16,15 @@ import triton
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_PREPROCESS_CONFIGS_FP32,
+    FP32_IEEE_CLASSES,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, TRITON_VERSION, dkdv_outputs,
 )
 
 __all__ = ["compile_targets", "LOOP_GOALS"]
 
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
-_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DOr", "DQ", "DK", "DV"}
-_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "DMask": "*fp32", "Exact": "*i8",
+_IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
+_FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "R": "*fp32", "DMask": "*fp32", "Exact": "*i8",
                 "KeyLengths": "*i32", "TileMap": "*i8",
                 "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
 # kernels whose main loop computes a (BLOCK_M, BLOCK_N) tile of scores: compile-check counts its
@@ -34,7 +33,7 @@ _LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 # the most SASS instructions per score element the main loop may take on sm_90 in 16-bit, per
 # (kernel, head-dim class, weight): compile-check fails a target above its goal
 # (the backward's goal, 19 per score for its two loops together, split between dK/dV and dQ)
-LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_bwd_dkdv", 64, "light"): 12.05,
+LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_bwd_dkdv", 64, "light"): 11.4,
               ("attention_bwd_dq", 64, "light"): 6.95}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -129,9 +128,9 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
     return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
 
 
-def compile_targets(*, fwd, dkdv, dq, preprocess, dropout_mask, tile_map) -> list[dict]:
+def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
-    kernels/attention.py: the forward, dK/dV, dQ, preprocess, dropout-mask and tile-map ones."""
+    kernels/attention.py: the forward, dK/dV, dQ, dropout-mask and tile-map ones."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -167,18 +166,6 @@ def compile_targets(*, fwd, dkdv, dq, preprocess, dropout_mask, tile_map) -> lis
             first_output = (dkdv_outputs(dclass)[0],) if stage == "dkdv" else None
             targets += builds(table_fp32[arch][(dclass, weight)][:1], dclass, weight, torch.float32, "tf32",
                               first_output)
-    # the preprocess kernel recomputes the statistics of rows of huge scores, rarely, so tensor
-    # cores are not required; fp32 in the precision of the dQ kernel's class, whose scores it
-    # recomputes, and once in single TF32
-    for arch in ("sm_80", "sm_90"):
-        for dclass, weight in itertools.product(BWD_PREPROCESS_CONFIGS, ("light", "heavy")):
-            fp32 = "ieee" if (dclass, weight) in FP32_IEEE_CLASSES["dq"][arch] else "tf32x3"
-            for dtype, precision, table in ((torch.float16, None, BWD_PREPROCESS_CONFIGS),
-                                            (torch.float32, fp32, BWD_PREPROCESS_CONFIGS_FP32)):
-                targets.append(_compile_target(preprocess, "attention_bwd_preprocess", table[dclass], dclass, weight,
-                                               dtype, matmul=False, archs=[arch], precision=precision))
-        targets.append(_compile_target(preprocess, "attention_bwd_preprocess", BWD_PREPROCESS_CONFIGS_FP32[64], 64,
-                                       "light", torch.float32, matmul=False, archs=[arch], precision="tf32"))
     targets.append(_compile_target(dropout_mask, "attention_dropout_mask", DROPOUT_MASK_CONFIG,
                                    None, None, matmul=False))
     for kind, dtype in ((MASK_BOOL, torch.float16), (MASK_FLOAT, torch.float32)):  # a float mask of fp32

@@ -23,35 +23,29 @@ while it is still -inf, so exp(-inf - (-inf)) never appears.
 
 Backward, with P = exp(S - lse) recomputed tile by tile and Pd = P * Z / (1 - p):
 
-    delta = rowsum(dO * O)                        (preprocess kernel; = rowsum(P * dP))
+    delta = rowsum(dO * O)                        (= rowsum(P * dP))
     dV    = Pd^T dO           dP = (dO V^T) * Z / (1 - p)
     dS    = P * (dP - delta)  dQ = scale dS K     dK = scale dS^T Q
 
-dS is also the gradient of a float mask (it is added to the scaled scores). Three
-launches: the preprocess kernel, then dQ, one program per query tile looping over key
-tiles, then dK/dV, one program per key tile looping over every query tile and, for
-grouped-query attention, over every query head of its kv group. No atomics: each output
-element is written by exactly one program, in a fixed order, so two backward passes are
-bit-identical.
+dS is also the gradient of a float mask (it is added to the scaled scores). Two launches:
+dQ, one program per query tile looping over key tiles, which first works out its rows'
+delta (and the statistics below) and writes them for the other; then dK/dV, one program per
+key tile looping over every query tile and, for grouped-query attention, over every query
+head of its kv group. dO is read where autograd left it, and never copied. No atomics: each
+output element is written by exactly one program, in a fixed order, so two backward passes
+are bit-identical.
 
 Rows of huge scores: lse = m + log(l) in one float32 loses log(l) once ulp(m) nears 1 (a
 finite mask of -1e9 on every key of a row loses it entirely, ulp(1e9) = 64), and P = exp(S -
-lse) would sum to l instead of 1. The preprocess kernel recomputes m and l of the rows with
-|lse| > EXACT_LSE (a block without such a row only reads its lse) and hands the dQ and dK/dV
-kernels hi = m and, in place of dO and delta, r dO and r delta with r = 1 / l, so that
-exp(S - hi) r = P enters every product with their loops unchanged. Every other row gets hi =
-lse and r = 1: the same bits as without the recomputation. The recomputation takes
-EXACT_ROWS rows and key tiles of BLOCK_N = 16 at a time, in a branch the common path never
-enters, so that the memory-bound kernel keeps its few registers (compile-check); the dQ
-kernel, the other candidate, has none to spare.
-
-dO is read where autograd left it. Only a preprocess block (BLOCK_M rows) with such a row
-writes its dO, times r, to a copy, DOr, and sets its flag. The dQ kernel reads its query
-tile (which lies within one block) from the copy where the block is flagged, and where a kv
-group has any flag it copies the dO of the group's other blocks, so that the dK/dV kernel
-chooses its source once per kv group, before its loop, and reads a whole group from the
-copy: chosen per tile, the loop's dO loads would depend on a flag loaded in the same loop,
-which the software pipeliner would have to issue a stage ahead of them.
+lse) would sum to l instead of 1. The dQ kernel recomputes m and l of the rows with |lse| >
+EXACT_LSE (a tile without such a row only reads its lse), in a branch the common path never
+enters, key tiles of EXACT_KEYS at a time so that the branch needs few registers, and
+uses P = r exp(S - hi) with hi = m and r = 1 / l: its loop runs on exp(S - hi) unchanged and
+the rows of dQ (and of the float mask's gradient) are scaled by r at the end. Every other
+row gets hi = lse and r = 1. The kernel writes hi, delta and r per row, and a flag per
+EXACT_ROWS rows. The dK/dV kernel sums over rows, so it scales P itself: a kv group with a
+flag takes every query tile through its loop with per-element masks, which multiplies P by
+r (the same bits where r = 1); the loop over full tiles, the common path, does not.
 
 Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
 keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
@@ -126,7 +120,7 @@ from . import _attention_targets, capability, cdiv, device_index, expansion, nex
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BWD_PREPROCESS_CONFIGS, BWD_PREPROCESS_CONFIGS_FP32,
+    FP32_IEEE_CLASSES,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
@@ -144,7 +138,8 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in log2 units: exp(x
 MASK_LIMIT = tl.constexpr(2.35e38)
 LN2 = tl.constexpr(0.6931471805599453)
 EXACT_LSE = tl.constexpr(256.0)  # |lse| past which a row's statistics are recomputed (see above)
-EXACT_ROWS = tl.constexpr(16)  # the rows the preprocess kernel recomputes statistics of at once
+EXACT_ROWS = tl.constexpr(16)  # the rows of one flag of rows of huge scores
+EXACT_KEYS = tl.constexpr(16)  # the key tile of their statistics' recomputation
 # Dense-mask tile map (see the module docstring): a code per tile for every tile shape of
 # MAP_CELL x MAP_CELL times powers of two up to MAP_TILE x MAP_TILE (the largest tile of any
 # configuration), over the mask padded to whole MAP_TILE blocks. A code has the bit LIVE (some
@@ -661,67 +656,6 @@ def _attention_row_stats(
 
 
 @triton.jit
-def _attention_bwd_preprocess_kernel(
-    Out, DO,  # (B, H, Lq, D) forward output and its gradient, stride(-1) == 1
-    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
-    Q,  # (B, H, Lq, D) queries, stride(-1) == 1
-    K,  # (B, Hkv, Lk, D) keys, stride(-1) == 1
-    Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
-    TileMap,  # its tile map read through strides, or unused
-    KeyLengths,  # (B,) int32, or unused
-    DOr,  # (B, H, Lq, D) contiguous, written on the blocks that have a row of huge scores: r dO
-    Hi, Delta,  # (B, H, Lq) fp32, contiguous, written: hi and r rowsum(dO * O)
-    Exact,  # (B, H, cdiv(Lq, BLOCK_M)) int8, contiguous, written: whether the block has such a row
-    stride_o_b, stride_o_h, stride_o_m,
-    stride_do_b, stride_do_h, stride_do_m,
-    stride_q_b, stride_q_h, stride_q_m,
-    stride_k_b, stride_k_h, stride_k_n,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    stride_map_b, stride_map_h, stride_map_m, map_unit,
-    H, GROUP, Lq, Lk, causal_offset, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):
-    """Per row: delta = rowsum(dO * O) and hi = lse (log2 units), or on the module docstring's
-    rows of huge scores hi = m, r delta and r dO with r = 1 / l, their statistics recomputed in
-    blocks of EXACT_ROWS rows (so that the common path keeps its few registers). A block with
-    such a row has its dO (times r) in DOr and its flag in Exact; the others write no dO."""
-    start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
-    MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
-    rows = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = start_m + rows < Lq
-    d_ok = offs_d < HEAD_DIM
-    start_m64 = tl.cast(start_m, tl.int64)
-    row_start = (off_b * H + off_h) * Lq + start_m64
-    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
-    plain = row_ok & ~_exact_rows(lse)  # the exact rows are written below, by other threads
-    has_exact = tl.max((row_ok & ~plain).to(tl.int32), 0)
-    tl.store(Exact + (off_b * H + off_h) * tl.num_programs(0) + tl.program_id(0), has_exact.to(tl.int8))
-    o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
-                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
-                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Hi + row_start + rows, lse * LOG2E, mask=plain)
-    tl.store(Delta + row_start + rows, delta, mask=plain)
-    if has_exact != 0:
-        for sub in range(0, BLOCK_M, EXACT_ROWS):
-            _exact_rows_block(
-                Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta, off_b, off_h, start_m + sub,
-                (stride_o_b, stride_o_h, stride_o_m), (stride_do_b, stride_do_h, stride_do_m),
-                (stride_q_b, stride_q_h, stride_q_m), (stride_k_b, stride_k_h, stride_k_n),
-                (stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n),
-                (stride_map_b, stride_map_h, stride_map_m, map_unit),
-                H, GROUP, Lq, Lk, causal_offset, scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KIND,
-                HAS_KEY_LENGTHS, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
-            )
-
-
-@triton.jit
 def _exact_rows(lse):
     """The rows whose statistics the backward recomputes (module docstring)."""
     return (tl.abs(lse) > EXACT_LSE) & (tl.abs(lse) < float("inf"))
@@ -731,64 +665,42 @@ def _exact_rows(lse):
 def _any_set(Flags, n):
     """Whether any of the n int8 flags from Flags is set."""
     found = tl.full((), 0, tl.int32)
-    offs = tl.arange(0, 128)
-    for start in range(0, n, 128):
+    offs = tl.arange(0, 512)
+    for start in range(0, n, 512):
         flags = tl.load(Flags + start + offs, mask=start + offs < n, other=0)
         found = tl.maximum(found, tl.max(flags.to(tl.int32), 0))
     return found != 0
 
 
 @triton.jit
-def _exact_rows_block(
-    Out, DO, Lse, Q, K, Mask, TileMap, KeyLengths, DOr, Hi, Delta,  # as the preprocess kernel's
-    off_b, off_h, start_m,  # EXACT_ROWS rows from start_m
-    strides_o, strides_do, strides_q, strides_k, strides_mask, strides_map,
-    H, GROUP, Lq, Lk, causal_offset, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def _exact_rows_stats(
+    Q_rows, stride_q_m, keys,  # ROWS query rows from start_m; keys as _attention_fwd_inner's
+    Mask_rows, stride_mask_m, stride_mask_n, Map_bh, stride_map_m, map_unit,  # the mask at those rows, its map
+    Lse_bh, Hi_bh, R_bh,  # this (batch, head)'s rows
+    start_m, Lq, hi, kv_len, causal_offset, qk_scale,  # keys [0, hi) as the forward visited them
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """hi = m, r dO and r delta of the rows of huge scores among EXACT_ROWS rows from start_m
-    (m and l from the same _masked_scores the forward and the dQ kernel use), and dO of the
-    others, into DOr."""
-    BLOCK_M: tl.constexpr = EXACT_ROWS
+    """Hi = m and R = 1 / l of the rows of huge scores among ROWS rows from start_m,
+    from the same _masked_scores the forward and the dQ loop use (l is the sum before dropout,
+    as the forward's)."""
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, ROWS)
     offs_m = start_m + rows
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
     d_ok = offs_d < HEAD_DIM
-    start_m64 = tl.cast(start_m, tl.int64)
-    row_start = (off_b * H + off_h) * Lq + start_m64
-    lse = tl.load(Lse + row_start + rows, mask=row_ok, other=float("inf"))
-    exact = row_ok & _exact_rows(lse)
-    plain = row_ok & ~exact  # its dO as it is: the block's dO goes to DOr whole
-    do = _load_tile(DO + off_b * strides_do[0] + off_h * strides_do[1] + start_m64 * strides_do[2]
-                    + rows[:, None] * strides_do[2] + offs_d[None, :], plain, d_ok, True, MASK_D)
-    _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do, plain, d_ok, MASK_D)
+    exact = row_ok & _exact_rows(tl.load(Lse_bh + offs_m, mask=row_ok, other=float("inf")))
     if tl.max(exact.to(tl.int32), 0) != 0:
-        kv_len, _, key_end = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
-                                               HAS_KEY_LENGTHS, IS_CAUSAL)  # the keys the forward visited
-        q = _load_tile(Q + off_b * strides_q[0] + off_h * strides_q[1] + start_m64 * strides_q[2]
-                       + rows[:, None] * strides_q[2] + offs_d[None, :], row_ok, d_ok, True, MASK_D)
-        keys = (K + off_b * strides_k[0] + (off_h // GROUP) * strides_k[1], strides_k[2])
-        mask = (Mask + off_b * strides_mask[0] + off_h * strides_mask[1] + start_m64 * strides_mask[2],
-                strides_mask[2], strides_mask[3],
-                _map_row(TileMap + off_b * strides_map[0] + off_h * strides_map[1], strides_map[2], strides_map[3],
-                         start_m, BLOCK_M, BLOCK_N))
+        q = _load_tile(Q_rows + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+        mask = (Mask_rows, stride_mask_m, stride_mask_n,
+                _map_row(Map_bh, stride_map_m, map_unit, start_m, ROWS, EXACT_KEYS))
         l_x, m_x = _attention_row_stats(
-            q, (offs_m, row_ok, d_ok), keys, mask, key_end, kv_len, causal_offset, scale * LOG2E,
-            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
-        )  # l is the sum before dropout, as the forward's
-        r = 1.0 / tl.where(exact, l_x, 1.0)  # l >= 1 on these rows: the maximum's own exp(0)
-        o = _load_tile(Out + off_b * strides_o[0] + off_h * strides_o[1] + start_m64 * strides_o[2]
-                       + rows[:, None] * strides_o[2] + offs_d[None, :], exact, d_ok, True, MASK_D)
-        do = _load_tile(DO + off_b * strides_do[0] + off_h * strides_do[1] + start_m64 * strides_do[2]
-                        + rows[:, None] * strides_do[2] + offs_d[None, :], exact, d_ok, True, MASK_D)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        _store_rows(DOr + row_start * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                    (do.to(tl.float32) * r[:, None]).to(do.dtype), exact, d_ok, MASK_D)
-        tl.store(Delta + row_start + rows, delta * r, mask=exact)
-        tl.store(Hi + row_start + rows, m_x, mask=exact)
+            q, (offs_m, row_ok, d_ok), keys, mask, hi, kv_len, causal_offset, qk_scale,
+            ROWS, EXACT_KEYS, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
+        )
+        tl.store(Hi_bh + offs_m, m_x, mask=exact)
+        tl.store(R_bh + offs_m, 1.0 / tl.where(exact, l_x, 1.0), mask=exact)  # l >= 1: the maximum's exp(0)
 
 
 @triton.jit
@@ -800,10 +712,11 @@ def _attention_bwd_dkdv_inner(
     mask,  # (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride): the
     #        dense mask at (batch, head 0, row 0, first key of the tile); the code of the tile map's
     #        (batch, head 0, query tile 0, this key tile), its head and query tile strides (_map_codes)
-    stats,  # (Hi_b, Delta_b): this batch's (H, Lq) hi and r delta (see the module docstring)
+    stats,  # (Hi_b, Delta_b, R_b): this batch's (H, Lq) hi, delta and r (see the module docstring)
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b,  # batch (the dropout mask's counter)
     heads,  # (head0, GROUP): query heads head0 .. head0 + GROUP - 1
+    rescale,  # whether P is scaled by r per row (only in loops with ELEMENT_MASKED)
     lo, num_tiles,  # each head's num_tiles query tiles from row lo
     Lq, causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
@@ -817,7 +730,7 @@ def _attention_bwd_dkdv_inner(
     Q_b, stride_q_h, stride_q_m = queries
     DO_b, stride_do_h, stride_do_m = grads
     Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride = mask
-    Hi_b, Delta_b = stats
+    Hi_b, Delta_b, R_b = stats
     dropout_p, dropout_threshold, seed = dropout
     head0, GROUP = heads
     # One flat loop over (query head of the group, query tile), heads in a fixed order: a
@@ -828,9 +741,12 @@ def _attention_bwd_dkdv_inner(
     rows_local = tl.arange(0, BLOCK_M)
     cols_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    # The tile's head and row are carried from one iteration to the next (t // num_tiles
+    # would divide on every tile).
+    g = 0
+    i = 0
     for t in range(0, GROUP * num_tiles):
-        g = t // num_tiles
-        start_m = lo + (t - g * num_tiles) * BLOCK_M
+        start_m = lo + i * BLOCK_M
         off_h = head0 + g
         dense = _tile_dense(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)
         start_m64 = tl.cast(start_m, tl.int64)
@@ -865,8 +781,10 @@ def _attention_bwd_dkdv_inner(
         p_t = tl.math.exp2(s_t - row_hi[None, :])
         if ELEMENT_MASKED:
             # query rows past Lq (loaded as q = 0, do = 0) carry no weight; 0 * inf in a key
-            # would otherwise make their scores NaN, and exp2(NaN - inf) NaN
-            p_t = tl.where(row_ok[None, :], p_t, 0.0)
+            # would otherwise make their scores NaN, and exp2(NaN - inf) NaN. P = r exp2(S - hi)
+            # on the rows of huge scores (module docstring; r = 1 elsewhere, the same bits)
+            r = tl.load(R_b + row_base, mask=tl.where(rescale, row_ok, False), other=1.0)
+            p_t = tl.where(row_ok[None, :], p_t * r[None, :], 0.0)
         if HAS_DROPOUT:
             keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, rows, start_n, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
@@ -881,6 +799,10 @@ def _attention_bwd_dkdv_inner(
                 dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = _dot(ds_t.to(q.dtype), q, dk, DOT_FP32, INPUT_PRECISION)
+        i += 1
+        wrap = i == num_tiles
+        g = tl.where(wrap, g + 1, g)
+        i = tl.where(wrap, 0, i)
     return dk, dv
 
 
@@ -889,8 +811,7 @@ def _attention_bwd_dkdv_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
     DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
-    DOr, Exact,  # the preprocess kernel's; DOr holds r dO (module docstring) for every query head
-    #              of a kv group with a flag in Exact (the dQ kernel completes it)
+    R, Exact,  # the dQ kernel's: r per row (B, H, Lq) fp32, its flags (B, H, cdiv(Lq, EXACT_ROWS)) int8
     Hi, Delta,  # (B, H, Lq) fp32, contiguous
     DK, DV,  # (B, Hkv, Lk, D) gradients, written (summed over the kv group's query heads)
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
@@ -900,13 +821,11 @@ def _attention_bwd_dkdv_kernel(
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
     stride_do_b, stride_do_h, stride_do_m,
-    stride_dor_b, stride_dor_h,  # DOr's (contiguous rows of HEAD_DIM)
     stride_dk_b, stride_dk_h, stride_dk_n,
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
-    exact_blocks,  # Exact's blocks per head
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -962,35 +881,36 @@ def _attention_bwd_dkdv_kernel(
     qk_scale = scale * LOG2E
 
     Q_b = Q + off_b * stride_q_b
-    # dO, or r dO where the group has rows of huge scores: chosen before the loop, whose loads
-    # then depend on no other load
-    copied = _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks)
-    DO_b = tl.where(copied, DOr + off_b * stride_dor_b, DO + off_b * stride_do_b)
-    stride_do_h = tl.where(copied, stride_dor_h, stride_do_h)
-    stride_do_m = tl.where(copied, HEAD_DIM, stride_do_m)
+    DO_b = DO + off_b * stride_do_b
     Mask_b = Mask + off_b * stride_mask_b + start_n64 * stride_mask_n
-    rows_b = off_b * H * Lq  # this batch's first row of hi and delta
+    rows_b = off_b * H * Lq  # this batch's first row of hi, delta and r
     heads = (off_hkv * GROUP, GROUP)
-    stats = (Hi + rows_b, Delta + rows_b)
+    stats = (Hi + rows_b, Delta + rows_b, R + rows_b)
     tile = (start_n, cols, col_ok, d_ok)
     queries = (Q_b, stride_q_h, stride_q_m)
     grads = (DO_b, stride_do_h, stride_do_m)
     mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride)
     dropout = (dropout_p, dropout_threshold, seed)
+    # a kv group with rows of huge scores (module docstring) takes every query tile through
+    # the first loop, with per-element masks, which scales P by its rows' r
+    exact_blocks = tl.cdiv(Lq, EXACT_ROWS)
+    rescale = _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks)
+    split = tl.where(rescale, end, split)
+    mid = tl.where(rescale, end, mid)
     dk, dv = _attention_bwd_dkdv_inner(
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
         lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
     dk, dv = _attention_bwd_dkdv_inner(
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
     )
-    dk, dv = _attention_bwd_dkdv_inner(
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads,
+    dk, dv = _attention_bwd_dkdv_inner(  # empty where rescale: nothing of it lives across the loops
+        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
         INPUT_PRECISION,
@@ -1011,7 +931,7 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_inner(
     dq,  # (BLOCK_M, BLOCK_D) fp32 accumulator
-    query_rows,  # (q, do, row_hi, delta): query tile, its output gradient, hi and delta rows
+    query_rows,  # (q, do, row_hi, delta, r): query tile, its output gradient, hi, delta and r rows
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
     mask,  # as _attention_fwd_inner's
@@ -1024,7 +944,7 @@ def _attention_bwd_dq_inner(
     ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    q, do, row_hi, delta = query_rows
+    q, do, row_hi, delta, r = query_rows
     offs_m, row_ok, d_ok = tile
     K_head, stride_k_n = keys
     V_head, stride_v_n = values
@@ -1054,7 +974,7 @@ def _attention_bwd_dq_inner(
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:
             # every (row, column) is visited by exactly one program: plain stores, zeros elsewhere
-            tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds,
+            tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds * r[:, None],
                      mask=row_ok[:, None] & (cols < Lk)[None, :])
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32, INPUT_PRECISION)
     return dq
@@ -1065,9 +985,10 @@ def _attention_bwd_dq_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
     DO,  # (B, H, Lq, D) output gradient, stride(-1) == 1
-    DOr, Exact,  # the preprocess kernel's: r dO (module docstring) on the blocks flagged in Exact;
-    #              written here: dO on the other blocks of a kv group with a flag
-    Hi, Delta,  # (B, H, Lq) fp32, contiguous
+    Out,  # (B, H, Lq, D) forward output, stride(-1) == 1
+    Lse,  # (B, H, Lq) fp32 log-sum-exp of the forward, contiguous
+    Hi, Delta, R,  # (B, H, Lq) fp32, contiguous, written: hi, r delta and r (module docstring)
+    Exact,  # (B, H, cdiv(Lq, EXACT_ROWS)) int8, contiguous, written: whether those rows have one of huge scores
     DQ,  # (B, H, Lq, D) gradient, written
     DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
@@ -1077,17 +998,22 @@ def _attention_bwd_dq_kernel(
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
     stride_do_b, stride_do_h, stride_do_m,
+    stride_o_b, stride_o_h, stride_o_m,
     stride_dq_b, stride_dq_h, stride_dq_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_map_b, stride_map_h, stride_map_m, map_unit,
     H, GROUP, Lq, Lk, causal_offset,
-    exact_blocks, exact_block_rows,  # Exact's blocks per head and rows per block
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    """dQ of one query tile, after its rows' backward statistics: delta = rowsum(dO * O), hi =
+    lse (log2 units) and r = 1, or on the module docstring's rows of huge scores hi = m and r
+    = 1 / l, recomputed in a branch the common path never enters. hi, delta and r go to Hi,
+    Delta and R, and a flag per EXACT_ROWS rows (BLOCK_M holds whole blocks of them) to Exact,
+    for the dK/dV kernel."""
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
@@ -1104,36 +1030,52 @@ def _attention_bwd_dq_kernel(
     kv_len, full_end, hi = _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M, BLOCK_N,
                                              HAS_KEY_LENGTHS, IS_CAUSAL)  # the forward's tile split
 
-    q = _load_tile(Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
-                   + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
     row_base = (off_b * H + off_h) * Lq
-    # dO, or r dO where the preprocess kernel flagged the block of this tile (its blocks hold
-    # whole tiles); where this kv group has a flag, the dK/dV kernel reads all its rows from
-    # DOr, and the other blocks' dO is copied there
-    flagged = tl.load(Exact + (off_b * H + off_h) * exact_blocks + start_m // exact_block_rows) != 0
-    DO_m = tl.where(flagged, DOr + (row_base + start_m64) * HEAD_DIM,
-                    DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m)
-    do = _load_tile(DO_m + rows[:, None] * tl.where(flagged, HEAD_DIM, stride_do_m) + offs_d[None, :], row_ok, d_ok,
-                    True, MASK_D)
-    if _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks):
-        if not flagged:
-            _store_rows(DOr + (row_base + start_m64) * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], do,
-                        row_ok, d_ok, MASK_D)
-    row_hi = tl.load(Hi + row_base + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-
+    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf"))  # rows past Lq: P = 0
+    row_hi = lse * LOG2E
+    r = tl.full((BLOCK_M,), 1.0, tl.float32)
+    exact = row_ok & _exact_rows(lse)
     K_head = K + off_b * stride_k_b + off_hkv * stride_k_h
     V_head = V + off_b * stride_v_b + off_hkv * stride_v_h
+    Q_rows = Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
     Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
-    codes_row = _map_row(TileMap + off_b * stride_map_b + off_h * stride_map_h, stride_map_m, map_unit, start_m,
-                         BLOCK_M, BLOCK_N)
-    DMask_rows = DMask + (row_base + start_m64) * Lk
+    Map_bh = TileMap + off_b * stride_map_b + off_h * stride_map_h
     qk_scale = scale * LOG2E
-    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-
-    query_rows = (q, do, row_hi, delta)
     tile = (offs_m, row_ok, d_ok)
     keys = (K_head, stride_k_n)
+    tl.store(Hi + row_base + offs_m, row_hi, mask=row_ok & ~exact)
+    tl.store(R + row_base + offs_m, r, mask=row_ok & ~exact)
+    if tl.max(exact.to(tl.int32), 0) != 0:
+        # hi = m and r = 1 / l of the tile's rows of huge scores, EXACT_ROWS rows at a time
+        # (the branch keeps its registers few), through Hi and R
+        STATS_ROWS: tl.constexpr = BLOCK_M if BLOCK_M < 64 else 64  # wgmma's M where the tile has it
+        for sub in range(0, BLOCK_M, STATS_ROWS):
+            _exact_rows_stats(Q_rows + sub * stride_q_m, stride_q_m, keys, Mask_rows + sub * stride_mask_m,
+                              stride_mask_m, stride_mask_n, Map_bh, stride_map_m, map_unit, Lse + row_base, Hi + row_base,
+                              R + row_base, start_m + sub, Lq, hi, kv_len, causal_offset, qk_scale, STATS_ROWS,
+                              HEAD_DIM, BLOCK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION)
+        tl.debug_barrier()  # the other threads' rows
+        row_hi = tl.load(Hi + row_base + offs_m, mask=row_ok, other=float("inf"))
+        r = tl.load(R + row_base + offs_m, mask=row_ok, other=1.0)
+    o = _load_tile(Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m
+                   + rows[:, None] * stride_o_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    do = _load_tile(DO + off_b * stride_do_b + off_h * stride_do_h + start_m64 * stride_do_m
+                    + rows[:, None] * stride_do_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    # P = r exp2(S - hi) in the rows of huge scores: this kernel's loop leaves r to the rows
+    # of dQ at the end, the dK/dV kernel (which sums over rows) scales P
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    q = _load_tile(Q_rows + rows[:, None] * stride_q_m + offs_d[None, :], row_ok, d_ok, True, MASK_D)
+    tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+    blocks = tl.cdiv(Lq, EXACT_ROWS)
+    block = start_m // EXACT_ROWS + tl.arange(0, BLOCK_M // EXACT_ROWS)
+    flags = tl.max(tl.reshape(exact.to(tl.int32), (BLOCK_M // EXACT_ROWS, EXACT_ROWS)), 1)
+    tl.store(Exact + (off_b * H + off_h) * blocks + block, flags.to(tl.int8), mask=block < blocks)
+    codes_row = _map_row(Map_bh, stride_map_m, map_unit, start_m, BLOCK_M, BLOCK_N)
+
+    DMask_rows = DMask + (row_base + start_m64) * Lk
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    query_rows = (q, do, row_hi, delta, r)
     values = (V_head, stride_v_n)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
@@ -1152,7 +1094,7 @@ def _attention_bwd_dq_kernel(
         DOT_FP32, INPUT_PRECISION,
     )
 
-    dq = dq * scale
+    dq = dq * (r * scale)[:, None]
     store_ok = row_ok[:, None]
     if MASK_D:
         store_ok = store_ok & d_ok[None, :]
@@ -1189,9 +1131,8 @@ def _attention_dropout_mask_kernel(
 # Outputs each launcher allocates whole, in dtypes the other arguments fix (kernels._launch)
 _FRESH = {
     _attention_fwd_kernel: ("Out", "Lse"),
-    _attention_bwd_preprocess_kernel: ("DOr", "Hi", "Delta", "Exact"),
     _attention_bwd_dkdv_kernel: ("DK", "DV"),
-    _attention_bwd_dq_kernel: ("DQ", "DMask"),
+    _attention_bwd_dq_kernel: ("Hi", "Delta", "R", "Exact", "DQ", "DMask"),
     _attention_dropout_mask_kernel: ("Keep",),
     _attention_tile_map_kernel: ("TileMap",),
 }
@@ -1554,12 +1495,10 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
             return (q.new_zeros((B, H, Lq, D)), k.new_empty((B, Hkv, 0, D)), v.new_empty((B, Hkv, 0, D)),
                     q.new_zeros((B, H, Lq, 0), dtype=torch.float32) if mask_grad else None)
         # templates of the outputs and workspaces (see expansion)
-        block_rows = _preprocess_config(D, q.dtype).kwargs["BLOCK_M"]  # the rows of each flag in exact
-        blocks = cdiv(Lq, block_rows)
         like = (expansion(q.dtype, q.device, (B, H, Lq, D)), expansion(k.dtype, k.device, (B, Hkv, Lk, D)),
                 expansion(v.dtype, v.device, (B, Hkv, Lk, D)), expansion(torch.float32, q.device, (B, H, Lq)),
-                expansion(dout.dtype, q.device, (B, H, Lq, D)), expansion(torch.float32, q.device, (B, H, Lq, Lk)),
-                expansion(torch.int8, q.device, (B, H, blocks)))
+                expansion(torch.float32, q.device, (B, H, Lq, Lk)),
+                expansion(torch.int8, q.device, (B, H, cdiv(Lq, EXACT_ROWS.value))))
         # the integers the key fixes, per launch: strides (fresh outputs are contiguous), sizes
         contiguous = (H * Lq * D, Lq * D, D)
         qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
@@ -1569,76 +1508,55 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
         ds = dout.stride()[:3]
-        ints = ((*out.stride()[:3], *ds, *qs, *ks, *mstride, *sizes),
-                (*qs, *ks, *vs, *ds, *contiguous, *mstride, *sizes, blocks, block_rows),
-                (*qs, *ks, *vs, *ds, *contiguous[:2], *kv_contiguous, *kv_contiguous, *mstride, *sizes, blocks))
+        ints = ((*qs, *ks, *vs, *ds, *out.stride()[:3], *contiguous, *mstride, *sizes),
+                (*qs, *ks, *vs, *ds, *kv_contiguous, *kv_contiguous, *mstride, *sizes))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launches, ints, tail, like, geometry = site
         if dropout_p > 0.0:
             tail = (*tail[:2], int(seed), *tail[3:])
-    q_like, k_like, v_like, row_like, dout_like, mask_like, exact_like = like
+    q_like, k_like, v_like, row_like, mask_like, exact_like = like
     dq, dk, dv = _empty_like(q_like), _empty_like(k_like), _empty_like(v_like)
     # tiles a program skips (above the diagonal, past a key length) are never written: zeros
     dmask = torch.zeros_like(mask_like) if mask_grad else None
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
     tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, q.shape[2], k.shape[2])
     kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
-    # per row hi and delta; r dO where a kv group has rows of huge scores (the module docstring)
-    hi, delta, dout_r, exact = _empty_like(row_like), _empty_like(row_like), _empty_like(dout_like), \
+    # per row hi, r delta and r, and the flags of rows of huge scores (the module docstring)
+    hi, delta, r, exact = _empty_like(row_like), _empty_like(row_like), _empty_like(row_like), \
         _empty_like(exact_like)
     scale = float(scale)
-    args = (  # in launch order: the dK/dV kernel reads the r dO copies the dQ kernel completes
-        (out, dout, lse, q, k, mask, tmap, kl, dout_r, hi, delta, exact, *ints[0], scale),
-        (q, k, v, dout, dout_r, exact, hi, delta, dq, q if dmask is None else dmask, mask, tmap, kl, *ints[1],
-         scale, *tail),
-        (q, k, v, dout, dout_r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[2], scale, *tail),
+    args = (  # in launch order: the dK/dV kernel reads what the dQ kernel writes
+        (q, k, v, dout, out, lse, hi, delta, r, exact, dq, q if dmask is None else dmask, mask, tmap, kl,
+         *ints[0], scale, *tail),
+        (q, k, v, dout, r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
     )
     with on_device(q):
         if site is not None:
-            # preprocess (with the rows of huge scores), dQ, dK/dV (one launch per output group)
-            pre, dq_launch, dkdv = launches
-            pre(args[0])
-            dq_launch(args[1])
+            # dQ (with the rows' statistics), dK/dV (one launch per output group)
+            dq_launch, dkdv = launches
+            dq_launch(args[0])
             for launch in dkdv:
-                launch(args[2])
+                launch(args[1])
         else:
             launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
             remember(sites, key, (launches, ints, tail, like, geometry))
     return dq, dk, dv, dmask
 
 
-def _preprocess_config(D: int, dtype: torch.dtype) -> triton.Config:
-    """The preprocess kernel's configuration for head dim D (its BLOCK_M sizes its flags)."""
-    if _interpreting():
-        return INTERPRETER_CONFIGS["preprocess"]
-    table = BWD_PREPROCESS_CONFIGS_FP32 if dtype == torch.float32 else BWD_PREPROCESS_CONFIGS
-    return table[_head_dim_class(max(16, next_power_of_2(D)))]
-
-
 def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
-    """The backward's launches on a site's first call: (preprocess, dQ, dK/dV launches), each
-    run once, in that order, and returned bound."""
+    """The backward's launches on a site's first call: (dQ, dK/dV launches), each run once,
+    in that order, and returned bound."""
     B, H, Lq, D = q.shape
-    Hkv, Lk = args[2][1].shape[1], args[2][1].shape[2]
+    Hkv, Lk = args[1][1].shape[1], args[1][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
-    fc = feats.constexprs
-    pre, pre_feats = _preprocess_config(D, q.dtype), feats
-    if not _interpreting():
-        dclass, arch = _head_dim_class(fc["BLOCK_D"]), _gpu_arch(q.device)
-        # the statistics' scores are rounded as the dQ kernel's class rounds them
-        ieee = (_precision_class(q.dtype) == "fp32"
-                and (dclass, _weight(fc["MASK_KIND"], fc["HAS_DROPOUT"])) in FP32_IEEE_CLASSES["dq"][arch])
-        pre_feats = _spec_with(feats, INPUT_PRECISION="ieee") if ieee else feats
-    pre_launch = _run(_attention_bwd_preprocess_kernel, pre, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                      args[0], _spec_without(pre_feats, "HAS_DROPOUT"))  # l is the undropped sum
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[1], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
+                        args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                args[2], _spec_with(feats, OUTPUT=output))
-        for output in dkdv_outputs(fc["BLOCK_D"]))
-    return pre_launch, dq_launch, dkdv
+                args[1], _spec_with(feats, OUTPUT=output))
+        for output in dkdv_outputs(feats.constexprs["BLOCK_D"]))
+    return dq_launch, dkdv
 
 
 def attention_dropout_mask(q, k, dropout_p, seed):
@@ -1791,6 +1709,5 @@ def compile_targets() -> list[dict]:
     """Every kernel in every shipped GPU configuration, for ``python -m fasttrans compile-check``."""
     return _attention_targets.compile_targets(
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
-        preprocess=_attention_bwd_preprocess_kernel,
         dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
     )

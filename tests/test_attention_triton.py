@@ -356,7 +356,7 @@ def test_inf_in_v_with_a_subnormal_weight_on_cuda(dtype):
 
 
 # Rows whose |lse| passes kernels/attention.py's EXACT_LSE get their max and sum recomputed by
-# the backward's preprocess kernel, where P = exp(S - lse) would be 1 instead of 1/l.
+# the backward's dQ kernel, where P = exp(S - lse) would be 1 instead of 1/l.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["none", "key_lengths+causal_br", "causal_neg"])
 @pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -1e4, "logits", pytest.param(
@@ -385,7 +385,7 @@ def test_rows_of_huge_scores_get_exact_gradients(fill, kind, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_rows_of_huge_scores_with_dropout(dtype, device):
     """The exact statistics under dropout (which scales P after the softmax) and in fp16,
-    where r dO is rounded to the input dtype (the -1e9 mask stays float32, as it may)."""
+    where P and dO are rounded to the input dtype (the -1e9 mask stays float32, as it may)."""
     B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 23, 38, 32, 0.3
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
     kw = _masks("key_lengths+causal_br", B, H, Lq, Lk, device)
@@ -417,9 +417,9 @@ def test_rows_of_huge_scores_with_dropout(dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_of_huge_scores_in_one_block_of_one_head(device):
-    """dO is read where autograd left it, except in a kv group with rows of huge scores, whose
-    rows the backward reads from its r dO copy: here one block of one head has such rows, so
-    the copy of that group holds r dO there and dO, copied, everywhere else. dO is strided."""
+    """A kv group with rows of huge scores takes every query tile of its dK/dV loop through
+    the per-element loop, which scales P by r: here one block of one head has such rows, and
+    the group's other rows (r = 1) must come out as without them. dO is strided."""
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 45, 16
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
     mask = make_float_mask((B, H, Lq, Lk), device)
@@ -585,8 +585,8 @@ def test_gpu_configurations_cover_every_class():
             assert all(1 <= len(cfgs) <= 4 for cfgs in classes.values())
     for cfgs in K.FWD_CONFIGS["sm_90"].values():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
-    for cfgs in K.BWD_DQ_CONFIGS["sm_90"].values():
-        assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
+    for cls, cfgs in K.BWD_DQ_CONFIGS["sm_90"].items():  # but d256 heavy, whose 64-row tiles spill
+        assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs) or cls == (256, "heavy")
     for cfgs in K.BWD_DKDV_CONFIGS["sm_90"].values():
         assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs)
     # the fp32 tables are their own (3xTF32 needs about twice the registers of a 16-bit tile)
@@ -646,9 +646,6 @@ def test_fp32_compile_targets_cover_every_fp32_configuration():
               "attention_bwd_dkdv": ("dkdv", K.BWD_DKDV_CONFIGS_FP32)}
     every = K.compile_targets()
     targets = [t for t in every if "-fp32" in t["config"] and t["kernel"] in stages]
-    preprocess = {t["constexprs"]["HEAD_DIM"] for t in every
-                  if t["kernel"] == "attention_bwd_preprocess" and t["signature"]["Out"] == "*fp32"}
-    assert preprocess == set(K.BWD_PREPROCESS_CONFIGS)
     for kernel, (stage, table) in stages.items():
         for arch in ("sm_80", "sm_90"):
             built = [t for t in targets if t["kernel"] == kernel and t["archs"] == [arch]]
@@ -751,7 +748,6 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     monkeypatch.setattr(K, "_gpu_arch", lambda device: arch)
     for name in ("_FWD_TUNED", "_DKDV_TUNED", "_DQ_TUNED"):
         monkeypatch.setattr(K, name, _RecordingTuner(calls))
-    monkeypatch.setattr(K, "_run", lambda *a, **k: None)  # the preprocess kernel
     # every call its site's first, so that it looks its launcher up (the arch is not keyed)
     monkeypatch.setattr(K, "_FWD_SITES", {})
     monkeypatch.setattr(K, "_BWD_SITES", {})
@@ -778,17 +774,18 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
             assert key in real[stage]  # an autotuner exists for it
 
 
-def test_dq_tiles_lie_within_one_preprocess_block():
-    """The dQ kernel reads one flag of rows of huge scores per query tile: the preprocess
-    kernel's block of its class and precision (and the interpreter's) holds whole dQ tiles."""
-    for tables, pre in ((K.BWD_DQ_CONFIGS, K.BWD_PREPROCESS_CONFIGS),
-                        (K.BWD_DQ_CONFIGS_FP32, K.BWD_PREPROCESS_CONFIGS_FP32)):
-        for arch, table in tables.items():
-            for (dclass, weight), cfgs in table.items():
-                for cfg in cfgs:
-                    assert pre[dclass].kwargs["BLOCK_M"] % cfg.kwargs["BLOCK_M"] == 0, (arch, dclass, weight, cfg)
-    interp = K.INTERPRETER_CONFIGS
-    assert interp["preprocess"].kwargs["BLOCK_M"] % interp["dq"].kwargs["BLOCK_M"] == 0
+def test_dq_tiles_hold_whole_blocks_of_flags():
+    """The dQ kernel writes one flag of rows of huge scores per EXACT_ROWS rows, which the
+    dK/dV kernel reads whatever the dQ tile: every dQ entry (GPU tables, the ones before Triton
+    3.9, the interpreter's) holds whole blocks of them."""
+    from fasttrans.kernels import _attention_configs as C
+
+    rows = K.EXACT_ROWS.value
+    entries = [c for tables in (K.BWD_DQ_CONFIGS, K.BWD_DQ_CONFIGS_FP32) for table in tables.values()
+               for cfgs in table.values() for c in cfgs]
+    entries += [c for (name, _, _), cfgs in C.BEFORE_TRITON_3_9.items() if name.startswith("BWD_DQ") for c in cfgs]
+    entries.append(K.INTERPRETER_CONFIGS["dq"])
+    assert all(c.kwargs["BLOCK_M"] % rows == 0 for c in entries)
 
 
 def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
@@ -812,9 +809,6 @@ def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
         assert entries and all(isinstance(e, triton.Config) for e in entries)
         assert getattr(old, table)[arch][cls] == entries
         assert getattr(C, table)[arch][cls] != entries, (table, arch, cls)  # 3.9 keeps its own
-        if table.startswith("BWD_DQ"):
-            pre = old.BWD_PREPROCESS_CONFIGS_FP32 if table.endswith("FP32") else old.BWD_PREPROCESS_CONFIGS
-            assert all(pre[cls[0]].kwargs["BLOCK_M"] % e.kwargs["BLOCK_M"] == 0 for e in entries)
         if arch == "sm_90" and not table.endswith("FP32"):  # wgmma's M dimension, as in the 3.9 tables
             rows = "BLOCK_N" if table == "BWD_DKDV_CONFIGS" else "BLOCK_M"
             assert all(e.kwargs[rows] >= 64 for e in entries), (table, cls)

@@ -17,8 +17,8 @@ import pytest
 from fasttrans import compile_check
 
 ARCHS = ["sm_80", "sm_90"]
-ATTENTION_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess",
-                     "attention_dropout_mask", "attention_tile_map"}
+ATTENTION_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_dropout_mask",
+                     "attention_tile_map"}
 ATTENTION_MATMUL_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 
 
