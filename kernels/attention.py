@@ -241,7 +241,7 @@ def _apply_dense_mask(s, mask_ptrs, load_ok, dense, MASK_KIND: tl.constexpr):
     """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the
     load and is all false on a tile that is not dense (_tile_dense), which then counts as all
     True or 0. Lanes not loaded read 0, which cp.async fills for free; a bool tile ORs in
-    ``~dense`` after the load (a fill of ``~dense`` cost a select per score)."""
+    ``~dense`` after the load (a fill of ``~dense`` would take a select per score)."""
     mval = tl.load(mask_ptrs, mask=load_ok, other=0)
     if MASK_KIND == 1:  # MASK_BOOL: nonzero = may attend
         s = tl.where((mval != 0) | ~dense, s, float("-inf"))
@@ -625,14 +625,6 @@ def _attention_fwd_kernel(
 # --------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------
-@triton.jit
-def _store_rows(ptrs, x, row_ok, d_ok, MASK_D: tl.constexpr):
-    if MASK_D:
-        tl.store(ptrs, x, mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        tl.store(ptrs, x, mask=row_ok[:, None])
-
-
 @triton.jit
 def _attention_row_stats(
     q, tile, keys, mask,  # as _attention_fwd_inner's
@@ -1046,7 +1038,7 @@ def _attention_bwd_dq_kernel(
     tl.store(Hi + row_base + offs_m, row_hi, mask=row_ok & ~exact)
     tl.store(R + row_base + offs_m, r, mask=row_ok & ~exact)
     if tl.max(exact.to(tl.int32), 0) != 0:
-        # hi = m and r = 1 / l of the tile's rows of huge scores, EXACT_ROWS rows at a time
+        # hi = m and r = 1 / l of the tile's rows of huge scores, STATS_ROWS rows at a time
         # (the branch keeps its registers few), through Hi and R
         STATS_ROWS: tl.constexpr = BLOCK_M if BLOCK_M < 64 else 64  # wgmma's M where the tile has it
         for sub in range(0, BLOCK_M, STATS_ROWS):
@@ -1180,11 +1172,6 @@ _PLAIN = {kernel: Launcher(kernel, fresh) for kernel, fresh in _FRESH.items()}
 @functools.lru_cache(maxsize=None)
 def _spec_with(spec: Spec, **constexprs) -> Spec:
     return Spec({**spec.constexprs, **constexprs}, **spec.options)
-
-
-@functools.lru_cache(maxsize=None)
-def _spec_without(spec: Spec, name: str) -> Spec:
-    return Spec({n: v for n, v in spec.constexprs.items() if n != name}, **spec.options)
 
 
 @functools.lru_cache(maxsize=None)
