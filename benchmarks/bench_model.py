@@ -37,6 +37,11 @@ Sweeps (select with --sweep):
               apply(unpad=True), variant [unpad]: the layers on the real tokens only), all
               from the same weights.
               tokens/s = batch * 128 / step (padding included) and batch * new tokens / time.
+    hf-families  a training step of each family the integration is tested on (BERT, BART,
+              Marian, T5, GPT-2, Llama with 2 key/value heads) at one small shape: hidden 256,
+              4 heads, FFN 1024, vocabulary 8000, 2 layers (2 + 2 for the encoder-decoders),
+              batch 8, 128 input tokens with 25% right padding (the pads out of the loss;
+              64 target tokens for the encoder-decoders); apply() against "sdpa".
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
 activations in that one precision, as half-precision fine-tuning without autocast does.
@@ -248,6 +253,10 @@ HF_BERT = types.SimpleNamespace(name="bert", vocab=30522, hidden=768, heads=12, 
 HF_LLAMA = types.SimpleNamespace(name="llama", vocab=32000, hidden=512, heads=8, kv_heads=4, ffn=1376, layers=4)
 HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4, kv_heads=4, ffn=128, layers=1)
 HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
+# the hf-families sweep: one small shape for every family the integration is tested on
+HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama")
+HF_FAMILY = dict(vocab=8000, hidden=256, heads=4, kv_heads=2, ffn=1024, layers=2)
+HF_FAMILY_QUICK = dict(vocab=256, hidden=64, heads=4, kv_heads=2, ffn=128, layers=1)
 HF_PADDING = 0.25  # mean fraction of right padding in the padded batches
 HF_MLM_FRACTION = 0.15  # fraction of the real tokens masked and predicted, as in BERT's pretraining
 HF_FIRST_TOKEN = 3  # random token ids start past pad (0), bos (1) and eos (2)
@@ -268,22 +277,34 @@ def hf_unavailable() -> str | None:
 
 def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype):
     """A random-weight model of ``spec``'s family, seeded, on attn_implementation="sdpa"."""
-    import transformers
+    import transformers as T
 
+    common_ids = dict(vocab_size=spec.vocab, pad_token_id=0)
+    seq2seq = dict(d_model=spec.hidden, encoder_layers=spec.layers, decoder_layers=spec.layers,
+                   encoder_attention_heads=spec.heads, decoder_attention_heads=spec.heads,
+                   encoder_ffn_dim=spec.ffn, decoder_ffn_dim=spec.ffn, decoder_start_token_id=HF_FIRST_TOKEN,
+                   **common_ids)
     if spec.name == "bert":
-        config = transformers.BertConfig(
-            vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads, intermediate_size=spec.ffn, pad_token_id=0,
-        )
-        cls = transformers.BertForMaskedLM
+        config, cls = T.BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                                   num_attention_heads=spec.heads, intermediate_size=spec.ffn,
+                                   **common_ids), T.BertForMaskedLM
+    elif spec.name == "bart":
+        config, cls = T.BartConfig(**seq2seq), T.BartForConditionalGeneration
+    elif spec.name == "marian":
+        config, cls = T.MarianConfig(**seq2seq), T.MarianMTModel
+    elif spec.name == "t5":
+        config, cls = T.T5Config(d_model=spec.hidden, d_kv=spec.hidden // spec.heads, d_ff=spec.ffn,
+                                 num_layers=spec.layers, num_heads=spec.heads, decoder_start_token_id=HF_FIRST_TOKEN,
+                                 **common_ids), T.T5ForConditionalGeneration
+    elif spec.name == "gpt2":
+        config, cls = T.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, n_inner=spec.ffn,
+                                   bos_token_id=1, eos_token_id=2, **common_ids), T.GPT2LMHeadModel
     else:
         # no end token: every generate() call produces exactly the tokens asked for
-        config = transformers.LlamaConfig(
-            vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, intermediate_size=spec.ffn,
-            pad_token_id=0, bos_token_id=1, eos_token_id=None,
-        )
-        cls = transformers.LlamaForCausalLM
+        config, cls = T.LlamaConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                                    num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                                    intermediate_size=spec.ffn, bos_token_id=1, eos_token_id=None,
+                                    **common_ids), T.LlamaForCausalLM
     torch.manual_seed(0)
     model = cls(config)
     model.set_attn_implementation("sdpa")
@@ -294,7 +315,8 @@ def hf_inputs(spec, batch: int, seq_len: int, device: str, dtype: torch.dtype, p
               prompt_batch: int = 0, prompt_len: int = 0):
     """The shared model and its inputs: token ids, the padding mask (right padding, sequence
     lengths spread evenly so that ``padding`` of the positions are pads) and, for BERT, the
-    masked positions and their labels; for generation, prompts without padding."""
+    masked positions and their labels; for the encoder-decoders, target tokens half as long
+    as the inputs; for generation, prompts without padding."""
     def build():
         model = build_hf_model(spec, device, dtype)
         g = torch.Generator().manual_seed(0)
@@ -307,23 +329,32 @@ def hf_inputs(spec, batch: int, seq_len: int, device: str, dtype: torch.dtype, p
         masked[:, 0] |= ~masked.any(dim=1)  # every sequence predicts at least one token
         labels = ids[masked]
         prompts = torch.randint(HF_FIRST_TOKEN, spec.vocab, (max(prompt_batch, 1), max(prompt_len, 1)), generator=g)
+        targets = torch.randint(HF_FIRST_TOKEN, spec.vocab, (batch, max(1, seq_len // 2)), generator=g)
         return types.SimpleNamespace(
             model=model, ids=ids.to(device), mask=mask.to(device), masked=masked.to(device),
             lm_labels=ids.masked_fill(mask == 0, -100).to(device),  # the pads left out of the loss
             mlm_ids=ids.masked_fill(masked, HF_MASK_TOKEN).to(device), labels=labels.to(device),
             prompts=prompts.to(device), prompt_mask=torch.ones_like(prompts).to(device),
+            targets=targets.to(device),  # the encoder-decoders' labels: half as long, no padding
         )
 
     return build
 
 
+HF_SEQ2SEQ = ("bart", "marian", "t5")  # model_type of the encoder-decoder families
+
+
 def hf_loss(model, inp) -> torch.Tensor:
-    """BERT: the MLM loss, the head applied to the masked positions only. Llama: the
-    next-token loss, computed by the model from labels = its inputs (-100 at the pads)."""
-    if model.config.model_type == "bert":
+    """BERT: the MLM loss, the head applied to the masked positions only. Encoder-decoders:
+    the loss on the target tokens. Causal LMs: the next-token loss, computed by the model
+    from labels = its inputs (-100 at the pads)."""
+    kind = model.config.model_type
+    if kind == "bert":
         hidden = model.bert(input_ids=inp.mlm_ids, attention_mask=inp.mask).last_hidden_state
         logits = model.cls(hidden[inp.masked])  # (masked tokens, vocabulary)
         return F.cross_entropy(logits.float(), inp.labels)
+    if kind in HF_SEQ2SEQ:
+        return model(input_ids=inp.ids, attention_mask=inp.mask, labels=inp.targets).loss
     return model(input_ids=inp.ids, attention_mask=inp.mask, labels=inp.lm_labels).loss
 
 
@@ -368,8 +399,12 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
         raise RuntimeError("fasttrans.integrations.transformers.apply left modules as they were: "
                            + "; ".join(f"{name} ({why})" for name, why in skipped))
     kw = dict(input_ids=inp.ids[:2], attention_mask=inp.mask[:2])
+    real = inp.mask[:2].bool()  # compared at the real tokens: unpad=True gives the pads hidden states of 0
     if model.config.model_type == "llama":
         kw["use_cache"] = False  # what unpad=True packs outside training
+    elif model.config.model_type in HF_SEQ2SEQ:  # the decoder's logits, which have no padding
+        kw["decoder_input_ids"] = inp.targets[:2]
+        real = torch.ones_like(inp.targets[:2], dtype=torch.bool)
     training = model.training
     ours.eval()
     model.eval()
@@ -381,7 +416,6 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
     finally:
         ours.train(training)
         model.train(training)
-    real = inp.mask[:2].bool()  # compared at the real tokens: unpad=True gives the pads hidden states of 0
     got, want = got[real], want[real]
     diff = (got.float() - want.float()).abs().max().item()
     tolerance = TWIN_TOLERANCE if want.dtype == torch.float32 else HALF_TWIN_TOLERANCE
@@ -395,10 +429,12 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
 HF_TORCH_VARIANTS = ("sdpa", "eager")  # transformers' own attention implementations; sdpa is the baseline
 
 
-def hf_entries(bench: common.Bench, timed, unavailable: str | None, unpad: bool = False) -> list[Entry]:
+def hf_entries(bench: common.Bench, timed, unavailable: str | None, unpad: bool = False,
+               torch_variants: tuple = HF_TORCH_VARIANTS) -> list[Entry]:
     """One entry per provider of ``timed(model, inp, backend)``, each on its own copy of the
     shared model: fasttrans per backend through apply() (and, with ``unpad``, through
-    apply(unpad=True) as variant "unpad"), torch once per attn_implementation."""
+    apply(unpad=True) as variant "unpad"), torch once per attn_implementation of
+    ``torch_variants``."""
     entries = []
     for p in bench.providers(None):
         if unavailable and not p.unavailable:
@@ -413,7 +449,7 @@ def hf_entries(bench: common.Bench, timed, unavailable: str | None, unpad: bool 
 
                 entries.append(Entry(p, make, variant=variant, skip=skip))
         elif p.name == "torch":
-            for impl in HF_TORCH_VARIANTS:
+            for impl in torch_variants:
                 def make_torch(inp, impl=impl):
                     model = copy.deepcopy(inp.model)
                     model.set_attn_implementation(impl)
@@ -433,7 +469,7 @@ def hf_params(spec, batch: int, **extra) -> dict:
 
 def hf_configs(bench: common.Bench):
     dtype = bench.args.dtype
-    wanted = not bench.args.sweep or "hf" in bench.args.sweep
+    wanted = not bench.args.sweep or bool({"hf", "hf-families"} & set(bench.args.sweep))
     unavailable = hf_unavailable() if wanted else None  # transformers is imported only when the sweep runs
     if unavailable:
         print(f"hf sweep: UNAVAILABLE: {unavailable}")
@@ -473,6 +509,16 @@ def hf_configs(bench: common.Bench):
                            unavailable),
         work=float(gen_batch * new_tokens), work_unit="token", measure="time+memory", baseline=base,
     )
+    shape = HF_FAMILY_QUICK if bench.quick else HF_FAMILY
+    for family in HF_FAMILIES:
+        spec = types.SimpleNamespace(name=family, **shape)
+        yield Config(
+            sweep="hf-families", case=f"{family} training step, {spec.layers} layers", op=family,
+            mode="train step", dtype=dtype, params=hf_params(spec, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}"),
+            inputs=hf_inputs(spec, batch, seq_len, bench.device, dtype, padding=HF_PADDING),
+            entries=hf_entries(bench, hf_train_step, unavailable, torch_variants=("sdpa",)),
+            work=float(batch * seq_len), work_unit="token", measure="time", baseline=base,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -535,11 +581,14 @@ PLOTTED_SWEEPS = {
     "decode": "greedy decoding throughput (generated tokens per second)",
     "infer": "inference forward throughput (source + decoder-input tokens per second)",
     "hf": "training step throughput (tokens per second, padding included); generate() (new tokens per second)",
+    "hf-families": "training step throughput (input tokens per second, padding included)",
 }
 # (figure title, what the speed-up is against) per sweep
 SEQ2SEQ_TITLE = ("seq2seq model: fasttrans.nn vs torch.nn, same weights", "torch.nn")
 PLOT_TITLES = {"hf": ("Hugging Face models: fasttrans apply() vs attn_implementation sdpa and eager, same weights",
-                      "attn_implementation='sdpa'")}
+                      "attn_implementation='sdpa'"),
+               "hf-families": ("Hugging Face model families, one small shape: fasttrans apply() vs "
+                               "attn_implementation sdpa, same weights", "attn_implementation='sdpa'")}
 
 
 def main(argv=None) -> int:
@@ -566,7 +615,7 @@ def main(argv=None) -> int:
             (f"speedup vs {baseline} (median / median, interleaved in one run)", results, "speedup"),
             ("peak memory of one call above what was live before it", results, "memory"),
         ], title=title)
-    bench.headline_table(("headline", "memory", "hf"))
+    bench.headline_table(("headline", "memory", "hf", "hf-families"))
     return bench.finish()
 
 

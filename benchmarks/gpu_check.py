@@ -11,9 +11,10 @@ informative first):
                fwd and fwd+bwd, fasttrans' GPU backends against F.scaled_dot_product_attention
     norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
     model      training step of the demo (digits-average) model and of the base model
-    hf         Hugging Face models (bench_model.py's hf sweep) in bf16: BERT-base-shaped and
-               Llama-shaped training steps and Llama generate(), fasttrans's apply() against
-               attn_implementation "sdpa" and "eager"; skipped without transformers
+    hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
+               BERT-base-shaped and Llama-shaped training steps and Llama generate(), and a
+               small training step of each of the six tested families, fasttrans's apply()
+               against attn_implementation "sdpa" (and "eager"); skipped without transformers
     dropout    the dropout sweeps, when time remains
 
 Every benchmark part appends its rows to ``<out-dir>/<device>.csv`` (benchmarks/common.py),
@@ -161,7 +162,8 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
         bench_part("model", "bench_model.py", ["--sweep", "headline,train", "--provider", PROVIDERS], out_dir,
                    python, 90, 45, "model", check_args=["--sweep", "headline", "--provider", PROVIDERS]),
         # needs transformers (the test extra); without it the sweep's rows say UNAVAILABLE
-        bench_part("hf", "bench_model.py", ["--sweep", "hf", "--dtype", "bfloat16", "--provider", PROVIDERS],
+        bench_part("hf", "bench_model.py",
+                   ["--sweep", "hf,hf-families", "--dtype", "bfloat16", "--provider", PROVIDERS],
                    out_dir, python, 120, 40, "hf"),
         bench_part("dropout", "bench_dropout.py", ["--sweep", "headline,sweep", "--provider", PROVIDERS], out_dir,
                    python, 45, 20, "dropout"),

@@ -398,22 +398,29 @@ def test_quick_run_writes_sane_rows_and_plots(quick_results, script):
 
 def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
     """make gpu-check runs the hf sweep in bf16: the models, their fasttrans copies and the
-    rows are in that dtype, and the copy passes its check against the sdpa model."""
+    rows are in that dtype, and the copy passes its check against the sdpa model; the
+    hf-families sweep too, for every family."""
     pytest.importorskip("transformers")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_model.py"), "--quick", "--sweep", "hf", "--dtype", "bfloat16",
+        [sys.executable, str(REPO / "benchmarks" / "bench_model.py"), "--quick", "--sweep", "hf,hf-families",
+         "--dtype", "bfloat16",
          "--provider", "fasttrans-extension,torc[h]", "--device", "cpu", "--threads", "1", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     (csv_path,) = tmp_path.glob("*.csv")
     rows = _read_csv(csv_path)
-    assert {(r["op"], r["provider"], r["variant"]) for r in rows} == {
+    hf = [r for r in rows if r["sweep"] == "hf"]
+    assert {(r["op"], r["provider"], r["variant"]) for r in hf} == {
         (op, provider, variant) for op in ("BertForMaskedLM", "LlamaForCausalLM")
         for provider, variant in (("fasttrans-extension", ""), ("torch", "sdpa"), ("torch", "eager"))
     } | {(op, "fasttrans-extension", "unpad") for op in ("BertForMaskedLM", "LlamaForCausalLM")}
-    assert len(rows) == 14  # BERT 4, Llama's unpadded and padded steps 3 + 4, generate 3
+    assert len(hf) == 14  # BERT 4, Llama's unpadded and padded steps 3 + 4, generate 3
+    # every family the integration is tested on, its fasttrans copy checked against sdpa's logits
+    families = sorted((r["op"], r["provider"], r["variant"]) for r in rows if r["sweep"] == "hf-families")
+    assert families == sorted((f, p, v) for f in ("bert", "bart", "marian", "t5", "gpt2", "llama")
+                              for p, v in (("fasttrans-extension", ""), ("torch", "sdpa")))
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["status"] == "ok", r
 
