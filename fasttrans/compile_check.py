@@ -22,6 +22,8 @@ one dict per (kernel, shipped launch configuration, specialisation):
                 (BLOCK_M * BLOCK_N for attention): its SASS is then counted per element
     loop_goal   (optional) the most SASS instructions per score element the main loop may take
                 on sm_90 (a static goal the target must meet)
+    partial_loop (optional) whether to count the loop after the main one as well (attention
+                with a dense mask: the loop over tiles whose mask it reads)
 
 Every target is compiled with ``triton.compile`` for each requested architecture and checked:
 
@@ -36,6 +38,8 @@ Every target is compiled with ``triton.compile`` for each requested architecture
                         instructions, of several such the shortest (the loop over full tiles
                         rather than its masked copy), the first of equals (instructions x 32 x
                         num_warps / loop_scores: what one thread executes per score it owns)
+    partial_loop_per_element  for targets with partial_loop: the same count for the next
+                        such loop in that order (of equal length, the first)
 
 A build is ``ok`` when it compiles, spills nothing, fits in shared memory, for ``matmul``
 targets uses tensor cores, and on sm_90 keeps its main loop within ``loop_goal``. The exit
@@ -69,7 +73,7 @@ ARCHS = {"sm_80": 80, "sm_90": 90}
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 _REQUIRED_KEYS = ("kernel", "fn", "config", "signature", "constexprs", "num_warps", "num_stages", "matmul")
 _RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores", "tma",
-                "wgmma_shapes", "loop_per_element", "error")
+                "wgmma_shapes", "loop_per_element", "partial_loop_per_element", "error")
 
 
 # --------------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ _RESULT_KEYS = ("kernel", "config", "arch", "ok", "registers", "spills", "shared
 def _problem(kernel: str, error: str, arch: str = "-") -> dict:
     return dict(kernel=kernel, config="-", arch=arch, ok=False, registers=None, spills=None,
                 shared_bytes=None, tensor_cores=None, tma=None, wgmma_shapes=None, loop_per_element=None,
-                error=error)
+                partial_loop_per_element=None, error=error)
 
 
 def _module_names() -> list[str]:
@@ -217,16 +221,29 @@ def sass_loops(sass: str) -> list[list[str]]:
     return [instructions[a:b] for a, b in sorted(innermost)]
 
 
+def _matmul_loops(sass: str) -> list[list[str]]:
+    """The innermost loops that issue the most tensor-core instructions, shortest first (the
+    first of equals first)."""
+    counted = [(sum(_SASS_PREDICATE.sub("", op).startswith(_TENSOR_CORE_SASS) for op in loop), i, loop)
+               for i, loop in enumerate(sass_loops(sass))]
+    most = max((c for c, _, _ in counted), default=0)
+    return [loop for _, _, loop in sorted((len(loop), i, loop) for c, i, loop in counted if most and c == most)]
+
+
 def main_loop(sass: str) -> list[str] | None:
     """The innermost loop that issues the most tensor-core instructions, and of several such
     the shortest, the first of equals (None without one): a kernel's matmul loop over full
     tiles, not its copy with per-element masks nor a lighter loop before it."""
-    best, key = None, None
-    for loop in sass_loops(sass):
-        count = sum(_SASS_PREDICATE.sub("", op).startswith(_TENSOR_CORE_SASS) for op in loop)
-        if count and (key is None or (-count, len(loop)) < key):
-            best, key = loop, (-count, len(loop))
-    return best
+    loops = _matmul_loops(sass)
+    return loops[0] if loops else None
+
+
+def partial_loop(sass: str) -> list[str] | None:
+    """The second of :func:`main_loop`'s order (None without one): with a dense mask, the
+    attention kernels' loop over the tiles whose mask they read (the main loop being the one
+    over tiles that need none)."""
+    loops = _matmul_loops(sass)
+    return loops[1] if len(loops) > 1 else None
 
 
 def _loop_metrics(kernel, t: dict, cap: int) -> dict:
@@ -234,11 +251,15 @@ def _loop_metrics(kernel, t: dict, cap: int) -> dict:
     ptx = kernel.asm["ptx"]
     shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
     metrics = dict(tma=cap >= 90 and "cp.async.bulk.tensor" in ptx, wgmma_shapes=" ".join(shapes) or None,
-                   loop_per_element=None)
+                   loop_per_element=None, partial_loop_per_element=None)
     if t.get("loop_scores"):
+        per_element = 32 * t["num_warps"] / t["loop_scores"]
         loop = main_loop(kernel.asm["sass"])
         if loop is not None:
-            metrics["loop_per_element"] = round(len(loop) * 32 * t["num_warps"] / t["loop_scores"], 2)
+            metrics["loop_per_element"] = round(len(loop) * per_element, 2)
+        loop = partial_loop(kernel.asm["sass"]) if t.get("partial_loop") else None
+        if loop is not None:
+            metrics["partial_loop_per_element"] = round(len(loop) * per_element, 2)
     return metrics
 
 
@@ -251,7 +272,8 @@ def _build(module: str, t: dict, arch: str) -> dict:
 
     cap = ARCHS[arch]
     row = dict(kernel=t["kernel"], config=t["config"], arch=arch, ok=False, registers=None, spills=None,
-               shared_bytes=None, tensor_cores=None, tma=None, wgmma_shapes=None, loop_per_element=None, error=None)
+               shared_bytes=None, tensor_cores=None, tma=None, wgmma_shapes=None, loop_per_element=None,
+               partial_loop_per_element=None, error=None)
     start = time.perf_counter()
     try:
         sig, constexprs, attrs = _signature(t)
@@ -357,11 +379,11 @@ def _format_table(rows: list[dict], seconds: float) -> str:
         return "-" if v is None else ("yes" if v is True else "no" if v is False else str(v))
 
     header = ("kernel", "config", "arch", "ok", "regs", "spills", "shared", "tensor cores", "tma", "wgmma",
-              "loop/elem")
+              "loop/elem", "partial/elem")
     table = [header] + [
         (r["kernel"], r["config"], r["arch"], "ok" if r["ok"] else "FAIL", cell(r["registers"]),
          cell(r["spills"]), cell(r["shared_bytes"]), cell(r["tensor_cores"]), cell(r.get("tma")),
-         cell(r.get("wgmma_shapes")), cell(r.get("loop_per_element")))
+         cell(r.get("wgmma_shapes")), cell(r.get("loop_per_element")), cell(r.get("partial_loop_per_element")))
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]

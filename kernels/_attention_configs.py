@@ -50,7 +50,7 @@ FWD_CONFIGS = {
         (64, "light"): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
         (64, "heavy"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 32, 8, 1), _cfg(64, 32, 4, 2)],
+        (128, "heavy"): [_cfg(64, 32, 4, 2)],  # 128 x 32 spills beside the loops over listed tiles
         (256, "light"): [_cfg(64, 16, 4, 1)],
         (256, "heavy"): [_cfg(32, 32, 4, 1)],
     },
@@ -87,7 +87,7 @@ def dkdv_outputs(block_d: int) -> tuple[str, ...]:
 BWD_DQ_CONFIGS = {
     "sm_90": {  # d64 light: the one entry within the backward's loop goal (kernels/_attention_targets.py)
         (64, "light"): [_cfg(128, 128, 8, 2)],
-        (64, "heavy"): [_cfg(64, 32, 4, 2)],
+        (64, "heavy"): [_cfg(64, 16, 4, 1)],  # key tiles of 32 spill beside the loops over listed tiles
         (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (256, "light"): [_cfg(128, 32, 8, 2)],
@@ -97,7 +97,7 @@ BWD_DQ_CONFIGS = {
         (64, "light"): [_cfg(128, 32, 4, 1), _cfg(64, 32, 4, 2)],
         (64, "heavy"): [_cfg(64, 16, 4, 2)],
         (128, "light"): [_cfg(128, 32, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 8, 2)],
+        (128, "heavy"): [_cfg(64, 16, 8, 2)],
         (256, "light"): [_cfg(64, 32, 8, 1), _cfg(32, 32, 4, 1)],
         (256, "heavy"): [_cfg(16, 16, 4, 1)],
     },
@@ -111,7 +111,7 @@ BWD_DQ_CONFIGS = {
 FWD_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
+        (64, "heavy"): [_cfg(64, 32, 4, 1)],
         (128, "light"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 2)],
         (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 8, 1)],
         (256, "light"): [_cfg(16, 16, 8, 1)],
@@ -119,9 +119,9 @@ FWD_CONFIGS_FP32 = {
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 8, 2), _cfg(128, 16, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(32, 32, 4, 1)],
+        (64, "heavy"): [_cfg(32, 32, 4, 1)],
         (128, "light"): [_cfg(32, 32, 4, 1)],
-        (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 4, 1)],
+        (128, "heavy"): [_cfg(16, 16, 4, 1)],
         (256, "light"): [_cfg(16, 16, 4, 1)],
         (256, "heavy"): [_cfg(16, 16, 4, 1)],
     },
@@ -147,7 +147,7 @@ BWD_DKDV_CONFIGS_FP32 = {
 BWD_DQ_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(128, 64, 8, 1), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 1)],
+        (64, "heavy"): [_cfg(128, 16, 8, 1)],
         (128, "light"): [_cfg(16, 32, 4, 2)],
         (128, "heavy"): [_cfg(16, 16, 8, 1)],
         (256, "light"): [_cfg(16, 16, 4, 2)],
@@ -168,7 +168,9 @@ BWD_DQ_CONFIGS_FP32 = {
 BEFORE_TRITON_3_9 = {
     ("FWD_CONFIGS", "sm_90", (256, "light")): [_cfg(128, 32, 8, 1)],
     ("FWD_CONFIGS", "sm_90", (256, "heavy")): [_cfg(64, 16, 8, 1)],
+    ("FWD_CONFIGS", "sm_80", (128, "heavy")): [_cfg(32, 32, 4, 2)],
     ("FWD_CONFIGS", "sm_80", (256, "heavy")): [_cfg(16, 32, 4, 1)],
+    ("FWD_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(128, 16, 8, 1)],
     ("FWD_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_80", (256, "light")): [_cfg(16, 16, 8, 1)],
@@ -182,12 +184,11 @@ BEFORE_TRITON_3_9 = {
     ("BWD_DKDV_CONFIGS_FP32", "sm_80", (64, "heavy")): [_cfg(16, 32, 8, 1), _cfg(16, 16, 4, 1)],
     ("BWD_DQ_CONFIGS", "sm_90", (256, "light")): [_cfg(64, 32, 8, 2)],
     ("BWD_DQ_CONFIGS", "sm_90", (128, "light")): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 1)],
+    ("BWD_DQ_CONFIGS", "sm_90", (128, "heavy")): [_cfg(64, 16, 4, 1)],
     ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
-    ("BWD_DQ_CONFIGS", "sm_80", (128, "heavy")): [_cfg(64, 16, 8, 2)],
     ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(128, 32, 8, 1), _cfg(128, 32, 8, 2)],
-    ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(64, 16, 4, 1)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 32, 4, 1)],
     ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
-    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 16, 8, 2)],
     ("BWD_DQ_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
 }
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])

@@ -25,7 +25,7 @@ __all__ = ["compile_targets", "LOOP_GOALS"]
 # pointer arguments holding q/k/v-dtype tensors; the rest have fixed types
 _IO_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV"}
 _FIXED_TYPES = {"Lse": "*fp32", "Hi": "*fp32", "Delta": "*fp32", "R": "*fp32", "DMask": "*fp32", "Exact": "*i8",
-                "KeyLengths": "*i32", "TileMap": "*i8",
+                "KeyLengths": "*i32", "TileMap": "*i8", "Lists": "*i32",
                 "Keep": "*u8", "scale": "fp32", "dropout_p": "fp32"}
 # kernels whose main loop computes a (BLOCK_M, BLOCK_N) tile of scores: compile-check counts its
 # SASS per score element
@@ -40,7 +40,7 @@ _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 
 def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
                     dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
-                    precision: str | None = None, **extra) -> dict:
+                    precision: str | None = None, list_tile: int | None = None, **extra) -> dict:
     """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
@@ -64,7 +64,9 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
             constexprs["stride_mask_n"] = 1
         if "MASK_GRAD" in kernel.arg_names:
             constexprs["MASK_GRAD"] = heavy
-        if "FOLD_SCALE" in kernel.arg_names:  # a positive scale, in the light class only
+        if "LIST_TILE" in kernel.arg_names:
+            constexprs["LIST_TILE"] = list_tile
+        if "FOLD_SCALE" in kernel.arg_names:  # a positive scale, without dropout
             constexprs["FOLD_SCALE"] = not heavy
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = {
@@ -86,6 +88,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
         target["archs"] = list(archs)
     if name in _LOOP_KERNELS:
         target["loop_scores"] = cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
+        # with a dense mask, the forward's and dQ's loop over the listed tiles whose mask they read
+        target["partial_loop"] = name != "attention_bwd_dkdv" and constexprs.get("MASK_KIND", MASK_NONE) != MASK_NONE
         goal = LOOP_GOALS.get((name, dclass, weight))
         # the goals are counts of Triton 3.9's SASS; older compilers' loops are reported, not held
         if (goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs
@@ -101,7 +105,7 @@ def _feature_alone(target: dict, feature: str) -> dict:
     or for none ("plain", the count the other two are compared with), so that compile-check
     counts that feature's own cost in the loop; built, not shipped apart."""
     c = dict(target["constexprs"], IS_CAUSAL=False, HAS_KEY_LENGTHS=False, HAS_DROPOUT=feature == "dropout",
-             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE)
+             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE, FOLD_SCALE=feature != "dropout")
     signature = dict(target["signature"])
     if feature == "bool":
         signature["Mask"] = "*u8"
@@ -109,7 +113,7 @@ def _feature_alone(target: dict, feature: str) -> dict:
         c.pop("stride_mask_n")
         signature["stride_mask_n"] = "i32"
     return dict(target, config=f"{target['config']}-{feature}", constexprs=c, signature=signature,
-                divisible_by_16=[p for p in signature if p.startswith("stride_")])
+                divisible_by_16=[p for p in signature if p.startswith("stride_")], partial_loop=feature == "bool")
 
 
 def _runtime_params(kernel) -> list[str]:
@@ -128,9 +132,10 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
     return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
 
 
-def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map) -> list[dict]:
+def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_tile: int) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
-    kernels/attention.py: the forward, dK/dV, dQ, dropout-mask and tile-map ones."""
+    kernels/attention.py: the forward, dK/dV, dQ, dropout-mask, tile-map and tile-list ones,
+    and the tile lists' level on a GPU."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -141,7 +146,8 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map) -> list[dict]:
             def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None):
                 outputs = outputs or (dkdv_outputs(dclass) if stage == "dkdv" else (None,))
                 return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
-                                        archs=[arch], precision=precision, **({"OUTPUT": out} if out else {}))
+                                        archs=[arch], precision=precision, list_tile=list_tile,
+                                        **({"OUTPUT": out} if out else {}))
                         for c in cfgs for out in outputs]
 
             for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
@@ -174,4 +180,6 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map) -> list[dict]:
         if kind == MASK_BOOL:  # read as uint8
             target["signature"]["Mask"] = "*u8"
         targets.append(target)
+    targets.append(_compile_target(tile_lists, "attention_tile_lists", TILE_MAP_CONFIG, None, None, matmul=False,
+                                   LIST_TILE=list_tile))
     return targets

@@ -75,6 +75,19 @@ The map is cached with the mask tensor, or the tensor it is a view of (tile_map)
 of a model that share a mask, and the backward, reuse it while that tensor is the same object
 with the same version counter and the view the same address and geometry.
 
+Tile lists (the idea of FlexAttention's block mask): with the map, _attention_tile_lists_kernel
+lists per row of LIST_TILE x LIST_TILE tiles (MAP_TILE on a GPU: every forward and dQ tile
+fits whole in one) its full tiles (LIVE, not DENSE) and its partial ones (LIVE and DENSE), in
+order, with prefix counts: (full count per column 0..tiles, partial count likewise, full
+indices, partial indices), a row padded to a multiple of 16 entries. The forward and dQ
+kernels run the listed tiles before full_end (those no causal or key-length mask cuts) in
+two loops over their key tiles: the full ones exactly as without a mask (no mask read, no
+select, the scale folded as FOLD_SCALE allows), the partial ones with the mask read whole;
+the rest of the row (the tile that full_end cuts, the causal diagonal) runs by the map as
+before. A listed partial tile's key tiles that the mask forbids entirely load no keys or
+values. The loops carry the next entries of their list (_list_window) so that no load of
+keys waits on the load of its index. Head dims above LISTS_MAX_HEAD_DIM keep the map alone.
+
 The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
 one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
 the query tile of its inner loop can then stay small. Head dims above 128 run it twice,
@@ -125,8 +138,8 @@ from ._attention_configs import (
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_tile_map", "attention_site",
-           "AttentionSite", "compile_targets", "MAP_CELL", "MAP_TILE", "MAP_LIVE", "MAP_DENSE"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_tile_map", "attention_tile_lists",
+           "attention_site", "AttentionSite", "compile_targets", "MAP_CELL", "MAP_TILE", "MAP_LIVE", "MAP_DENSE"]
 
 # --------------------------------------------------------------------------------------
 # Constants and launch keys (the configuration tables and mask kinds: kernels/_attention_configs.py)
@@ -148,6 +161,15 @@ MAP_CELL = tl.constexpr(16)
 MAP_TILE = tl.constexpr(128)
 MAP_LIVE = tl.constexpr(1)
 MAP_DENSE = tl.constexpr(2)
+# Tile lists (module docstring): built at one level of the map, LIST_TILE x LIST_TILE, which
+# holds whole query and key tiles of every forward and dQ configuration: MAP_TILE on a GPU, the
+# interpreter's 32 (its tiles are 32 x 16), so that the tests' short sequences have several.
+LIST_TILE_INTERPRETER = 32
+# Head dims up to which the forward and dQ kernels run their loops over listed tiles; above,
+# the two extra loops make the shipped tiles spill registers (compile-check), and a dense
+# mask is read by tile as before.
+LISTS_MAX_HEAD_DIM = tl.constexpr(128)
+LIST_CHUNK = tl.constexpr(128)  # the tile-list kernel's columns per step
 
 
 # Autotuning keys: sequence lengths enter only through power-of-two buckets (LQ_BUCKET,
@@ -295,6 +317,21 @@ def _tile_dense(Code, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
+def _tile_flags(Code, MASK_KIND: tl.constexpr):
+    """(live, dense) of the tile whose code is at Code: dense as _tile_dense's; live, whether
+    any element may attend, else the forward and dQ kernels load none of its keys and values
+    (module docstring). Without a dense mask, constants that fold away."""
+    if MASK_KIND == 0:
+        live = tl.full((), 1, tl.int1)
+        dense = tl.full((), 0, tl.int1)
+    else:
+        code = tl.load(Code)
+        live = (code & MAP_LIVE) != 0
+        dense = (code & MAP_DENSE) != 0
+    return live, dense
+
+
+@triton.jit
 def _live_span(codes, step, lo, hi, span):
     """span = (first, end) widened to the live codes among codes[i * step], i in [lo, hi):
     tiles outside [first, end) of every span a loop merges are skipped, nothing loaded."""
@@ -307,21 +344,53 @@ def _live_span(codes, step, lo, hi, span):
 
 
 @triton.jit
-def _key_loops(mask, full_end, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
-    """(0, full_end, full_end, hi): the key tiles of a query tile's two loops (_query_block_keys),
-    narrowed with a dense mask to its first and last live tile (mask as _attention_fwd_inner's)."""
-    lo1 = 0
+def _key_loops(mask, listed_end, full_end, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_KIND: tl.constexpr):
+    """(listed_end, full_end, full_end, hi): the key tiles of a query tile's two loops after its
+    listed ones (_query_block_keys, _listed_tiles), narrowed with a dense mask to its first and
+    last live tile (mask as _attention_fwd_inner's)."""
+    lo1 = listed_end
     hi1 = full_end
     lo2 = full_end
     hi2 = hi
     if MASK_KIND != 0:
         tiles = tl.cdiv(hi, BLOCK_N)
-        first, end = _live_span(mask[3], 1, 0, tiles, (tiles, 0))
+        first, end = _live_span(mask[3], 1, listed_end // BLOCK_N, tiles, (tiles, 0))
         lo1 = first * BLOCK_N
         hi1 = tl.minimum(full_end, end * BLOCK_N)
         lo2 = tl.maximum(full_end, lo1)
         hi2 = tl.minimum(hi, end * BLOCK_N)
     return lo1, hi1, lo2, hi2
+
+
+@triton.jit
+def _listed_tiles(Lists_bh, stride_list_m, list_tiles, start_m, full_end, LIST_TILE: tl.constexpr):
+    """(full tiles' indices, their count, partial tiles' indices, their count, listed_end) of
+    the query tile at start_m among the LIST_TILE x LIST_TILE tiles of a dense mask's tile lists
+    (module docstring) that lie before full_end: those the loops over listed tiles take; from
+    listed_end on, the loops over a key range take the rest."""
+    row = Lists_bh + (start_m // LIST_TILE) * stride_list_m
+    listed = full_end // LIST_TILE
+    full_index = row + 2 * (list_tiles + 1)
+    return (full_index, tl.load(row + listed), full_index + list_tiles, tl.load(row + list_tiles + 1 + listed),
+            listed * LIST_TILE)
+
+
+@triton.jit
+def _list_window(index, n):
+    """(entries 0 and 1) of a tile list of n entries at index (0 past n): the window a loop
+    over listed tiles carries, :func:`_list_window_step`."""
+    return tl.load(index, mask=n > 0, other=0), tl.load(index + 1, mask=n > 1, other=0)
+
+
+@triton.jit
+def _list_window_step(window, index, n, it, SUB: tl.constexpr):
+    """The window after iteration it of a loop over the SUB key tiles of each listed entry:
+    (the next iteration's entry, the one after it, loaded now). A loaded entry is first read
+    an iteration later, so the loads of the keys and values it addresses never wait on it."""
+    cur, nxt = window
+    following = (it + 1) // SUB + 1
+    return tl.where(it % SUB == SUB - 1, nxt, cur), tl.load(index + following, mask=following < n, other=0)
 
 
 @triton.jit
@@ -373,6 +442,46 @@ def _store_map_level(Map_bh, live, dense, block_m, block_n, CN, unit, a: tl.cons
     tl.store(Map_bh + unit * _map_level(a * MAP_CELL, b * MAP_CELL)
              + (block_m * (CELLS // a) + tr[:, None]) * (CN // b) + block_n * (CELLS // b) + tc[None, :],
              code.to(tl.int8))
+
+
+@triton.jit
+def _attention_tile_lists_kernel(
+    Lists,  # (Bm, Hm, rows, width) int32, contiguous, written (module docstring)
+    TileMap,  # the codes of _attention_tile_map_kernel, contiguous
+    rows, tiles, width, unit,  # tile rows and columns of the LIST_TILE level, a row's entries; the map's unit
+    LIST_TILE: tl.constexpr,
+):
+    """One tile row's lists at the LIST_TILE level: the prefix counts of its full tiles (LIVE,
+    not DENSE) and of its partial ones (LIVE and DENSE), then their column indices in order."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    codes = TileMap + bh * 225 * unit + unit * _map_level(LIST_TILE, LIST_TILE) + r * tiles
+    row = Lists + (bh * rows + r) * width
+    full_count = row
+    part_count = row + tiles + 1
+    full_index = row + 2 * (tiles + 1)
+    part_index = full_index + tiles
+    tl.store(full_count, 0)
+    tl.store(part_count, 0)
+    n_full = 0
+    n_part = 0
+    offs = tl.arange(0, LIST_CHUNK)
+    for c0 in range(0, tiles, LIST_CHUNK):
+        j = c0 + offs
+        ok = j < tiles
+        code = tl.load(codes + j, mask=ok, other=0).to(tl.int32)
+        live = (code & MAP_LIVE) != 0
+        dense = (code & MAP_DENSE) != 0
+        full = (live & ~dense).to(tl.int32)
+        part = (live & dense).to(tl.int32)
+        at_full = tl.cumsum(full, 0) + n_full
+        at_part = tl.cumsum(part, 0) + n_part
+        tl.store(full_count + 1 + j, at_full, mask=ok)
+        tl.store(part_count + 1 + j, at_part, mask=ok)
+        tl.store(full_index + at_full - 1, j, mask=ok & (full != 0))
+        tl.store(part_index + at_part - 1, j, mask=ok & (part != 0))
+        n_full += tl.sum(full, 0)
+        n_part += tl.sum(part, 0)
 
 
 @triton.jit
@@ -437,26 +546,34 @@ def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M
 
 @triton.jit
 def _key_tile_scores(
-    q, tile, keys, mask, dense,  # as _attention_fwd_inner's; dense as _masked_scores's
+    q, tile, keys, mask, flags,  # as _attention_fwd_inner's; flags: the tile's (live, dense), _tile_flags
     start_n, kv_len, causal_offset, qk_scale,  # the key tile's first key; keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
+    SKIP_DEAD: tl.constexpr = False,
 ):
     """The key tile at start_n, loaded, and the query tile's masked scores against it:
-    (scores, (start_n as int64, key columns, columns < kv_len)); unscaled with FOLD_SCALE."""
+    (scores, (start_n as int64, key columns, columns < kv_len, keys to load)); unscaled with
+    FOLD_SCALE. With SKIP_DEAD the keys to load are none on a tile the mask forbids entirely."""
     _, _, d_ok = tile
     K_head, stride_k_n = keys
+    live, dense = flags
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     start_n64 = tl.cast(start_n, tl.int64)
     cols = start_n + offs_n
     col_ok = cols < kv_len
-    k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
-                   col_ok, d_ok, ELEMENT_MASKED, MASK_D)
-    key_tile = (start_n64, cols, col_ok)
-    s = _masked_scores(q, k, tile, key_tile, mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N, MASK_KIND,
-                       IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE)
+    k_ptrs = K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :]
+    if SKIP_DEAD:
+        load_ok = tl.where(live, col_ok, False)
+        k = _load_tile(k_ptrs, load_ok, d_ok, True, MASK_D)
+    else:
+        load_ok = col_ok
+        k = _load_tile(k_ptrs, col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+    key_tile = (start_n64, cols, col_ok, load_ok)
+    s = _masked_scores(q, k, tile, key_tile[:3], mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
+                       MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE)
     return s, key_tile
 
 
@@ -504,10 +621,12 @@ def _attention_fwd_inner(
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
+    index,  # with LISTED: [lo, hi) counts BLOCK_N tiles of the LIST_TILE tiles listed here
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE,
 ):
     acc, l_i, m_i = state
     offs_m, _, d_ok = tile
@@ -517,22 +636,36 @@ def _attention_fwd_inner(
     # would hold a 64-bit address per element in registers.
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    for start_n in range(lo, hi, BLOCK_N):
-        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
+    SUB: tl.constexpr = LIST_TILE // BLOCK_N
+    STEP: tl.constexpr = 1 if LISTED else BLOCK_N
+    if LISTED:
+        window = _list_window(index, hi // SUB)
+    for it in range(lo, hi, STEP):
+        if LISTED:
+            start_n = window[0] * LIST_TILE + it % SUB * BLOCK_N
+        else:
+            start_n = it
+        flags = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
+        if LISTED:  # a listed partial tile reads its mask whole: one select per score, not two
+            flags = (flags[0], tl.full((), 1, tl.int1))
+        # a listed partial tile may lie between tiles the mask forbids entirely: those load nothing
+        SKIP_DEAD: tl.constexpr = LISTED and MASK_KIND != 0
         s, key_tile = _key_tile_scores(
-            q, tile, keys, mask, dense, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
-            MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
+            q, tile, keys, mask, flags, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
+            MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE, SKIP_DEAD,
         )
-        start_n64, cols, col_ok = key_tile
+        start_n64, cols, col_ok, load_ok = key_tile
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
-                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, INPUT_PRECISION)
         m_i = m_new
+        if LISTED:
+            window = _list_window_step(window, index, hi // SUB, it, SUB)
     return acc, l_i, m_i
 
 
@@ -544,6 +677,7 @@ def _attention_fwd_kernel(
     Lse,  # (B, H, Lq) fp32 log-sum-exp (natural log), contiguous, written
     Mask,  # (B, H, Lq, Lk) dense mask (uint8 bool or float) read through strides, or unused
     TileMap,  # the mask's int8 tile map (module docstring) read through strides, or unused
+    Lists,  # its int32 tile lists read through strides, or unused
     KeyLengths,  # (B,) int32 key lengths, or unused
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
@@ -551,6 +685,7 @@ def _attention_fwd_kernel(
     stride_o_b, stride_o_h, stride_o_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on broadcast dims
     stride_map_b, stride_map_h, stride_map_m, map_unit,  # the tile map's, 0 where the mask's are
+    stride_list_b, stride_list_h, stride_list_m, list_tiles,  # the tile lists', likewise
     H, GROUP,  # query heads, query heads per kv head
     Lq, Lk, causal_offset,  # query i may attend key j <= i + causal_offset when IS_CAUSAL
     scale, dropout_p, dropout_threshold, seed,
@@ -558,7 +693,8 @@ def _attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,  # scale > 0, no dense mask, no dropout: see _online_softmax_step
+    FOLD_SCALE: tl.constexpr,  # scale > 0, no dropout: see _online_softmax_step
+    LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
@@ -595,18 +731,39 @@ def _attention_fwd_kernel(
     values = (V_head, stride_v_n)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dropout = (dropout_p, dropout_threshold, seed)
-    lo1, hi1, lo2, hi2 = _key_loops(mask, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
+    listed_end = 0
+    # a float mask is added to scaled scores: unscaled ones only where no mask is read
+    FOLD_MASKED: tl.constexpr = FOLD_SCALE and MASK_KIND != 2
+    if MASK_KIND != 0 and BLOCK_D <= LISTS_MAX_HEAD_DIM:
+        # the listed tiles before full_end: full ones as without a mask, then partial ones
+        full_index, n_full, part_index, n_part, listed_end = _listed_tiles(
+            Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m, list_tiles, start_m, full_end,
+            LIST_TILE)
+        SUB: tl.constexpr = LIST_TILE // BLOCK_N
+        acc, l_i, m_i = _attention_fwd_inner(
+            (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
+            0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
+            FOLD_SCALE, True, LIST_TILE,
+        )
+        acc, l_i, m_i = _attention_fwd_inner(
+            (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
+            0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
+            FOLD_MASKED, True, LIST_TILE,
+        )
+    lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
-        lo1, hi1, kv_len, causal_offset, qk_scale,
+        lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-        FOLD_SCALE,
+        FOLD_MASKED,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
-        lo2, hi2, kv_len, causal_offset, qk_scale,
+        lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
-        FOLD_SCALE,
+        FOLD_MASKED,
     )
 
     # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
@@ -636,11 +793,11 @@ def _attention_row_stats(
     forward's statistics, from the same _masked_scores the forward and the dQ kernel use."""
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    no_lo, no_hi, lo, hi = _key_loops(mask, 0, hi, BLOCK_M, BLOCK_N, MASK_KIND)  # one loop: [lo, hi)
+    no_lo, no_hi, lo, hi = _key_loops(mask, 0, 0, hi, BLOCK_M, BLOCK_N, MASK_KIND)  # one loop: [lo, hi)
     for start_n in range(lo, hi, BLOCK_N):
-        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
+        flags = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
         s, _ = _key_tile_scores(
-            q, tile, keys, mask, dense, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
+            q, tile, keys, mask, flags, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
             MASK_D, MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
         )
         _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i, qk_scale, False)
@@ -931,10 +1088,12 @@ def _attention_bwd_dq_inner(
     dropout,  # (dropout_p, dropout_threshold, seed)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
+    index,  # as _attention_fwd_inner's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE,
 ):
     q, do, row_hi, delta, r = query_rows
     offs_m, row_ok, d_ok = tile
@@ -945,17 +1104,30 @@ def _attention_bwd_dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
-    for start_n in range(lo, hi, BLOCK_N):
-        dense = _tile_dense(mask[3] + start_n // BLOCK_N, MASK_KIND)
+    SUB: tl.constexpr = LIST_TILE // BLOCK_N
+    STEP: tl.constexpr = 1 if LISTED else BLOCK_N
+    if LISTED:
+        window = _list_window(index, hi // SUB)
+    for it in range(lo, hi, STEP):
+        if LISTED:
+            start_n = window[0] * LIST_TILE + it % SUB * BLOCK_N
+        else:
+            start_n = it
+        live, dense = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
+        if LISTED:  # a listed partial tile reads its mask whole: one select per score, not two
+            dense = tl.full((), 1, tl.int1)
         # v is loaded before the scores are computed: computing them first, through
         # _key_tile_scores, made several shipped builds spill (compile-check)
         start_n64 = tl.cast(start_n, tl.int64)
         cols = start_n + offs_n
         col_ok = cols < kv_len
+        # as the forward's: nothing of a listed tile the mask forbids entirely
+        SKIP_DEAD: tl.constexpr = LISTED and MASK_KIND != 0
+        load_ok = tl.where(live, col_ok, False) if SKIP_DEAD else col_ok
         k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
-                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
-                       col_ok, d_ok, ELEMENT_MASKED, MASK_D)
+                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
                            BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         p = tl.math.exp2(s - row_hi[:, None])
@@ -969,6 +1141,8 @@ def _attention_bwd_dq_inner(
             tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds * r[:, None],
                      mask=row_ok[:, None] & (cols < Lk)[None, :])
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32, INPUT_PRECISION)
+        if LISTED:
+            window = _list_window_step(window, index, hi // SUB, it, SUB)
     return dq
 
 
@@ -985,6 +1159,7 @@ def _attention_bwd_dq_kernel(
     DMask,  # (B, H, Lq, Lk) fp32 contiguous gradient of a float mask (MASK_GRAD), zero-filled
     Mask,  # (B, H, Lq, Lk) dense mask read through strides, or unused
     TileMap,  # its tile map read through strides, or unused
+    Lists,  # its tile lists read through strides, or unused
     KeyLengths,  # (B,) int32, or unused
     stride_q_b, stride_q_h, stride_q_m,
     stride_k_b, stride_k_h, stride_k_n,
@@ -994,12 +1169,14 @@ def _attention_bwd_dq_kernel(
     stride_dq_b, stride_dq_h, stride_dq_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_map_b, stride_map_h, stride_map_m, map_unit,
+    stride_list_b, stride_list_h, stride_list_m, list_tiles,
     H, GROUP, Lq, Lk, causal_offset,
     scale, dropout_p, dropout_threshold, seed,
     LQ_BUCKET, LK_BUCKET,  # unused in the body: the autotuning key
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
 ):
     """dQ of one query tile, after its rows' backward statistics: delta = rowsum(dO * O), hi =
     lse (log2 units) and r = 1, or on the module docstring's rows of huge scores hi = m and r
@@ -1072,16 +1249,35 @@ def _attention_bwd_dq_kernel(
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed)
-    lo1, hi1, lo2, hi2 = _key_loops(mask, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
+    listed_end = 0
+    if MASK_KIND != 0 and BLOCK_D <= LISTS_MAX_HEAD_DIM:  # as the forward's (the float mask's gradient is stored
+        # on full tiles too)
+        full_index, n_full, part_index, n_part, listed_end = _listed_tiles(
+            Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m, list_tiles, start_m, full_end,
+            LIST_TILE)
+        SUB: tl.constexpr = LIST_TILE // BLOCK_N
+        dq = _attention_bwd_dq_inner(
+            dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
+            0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE,
+        )
+        dq = _attention_bwd_dq_inner(
+            dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
+            0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE,
+        )
+    lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
-        lo1, hi1, kv_len, causal_offset, qk_scale,
+        lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
         DOT_FP32, INPUT_PRECISION,
     )
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
-        lo2, hi2, kv_len, causal_offset, qk_scale,
+        lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
         DOT_FP32, INPUT_PRECISION,
     )
@@ -1127,6 +1323,7 @@ _FRESH = {
     _attention_bwd_dq_kernel: ("Hi", "Delta", "R", "Exact", "DQ", "DMask"),
     _attention_dropout_mask_kernel: ("Keep",),
     _attention_tile_map_kernel: ("TileMap",),
+    _attention_tile_lists_kernel: ("Lists",),
 }
 
 
@@ -1259,27 +1456,51 @@ def _mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor):
 # Dense-mask tile maps
 # --------------------------------------------------------------------------------------
 _TILE_MAP_CONFIG = TILE_MAP_CONFIG
-_NO_MAP = (0, 0, 0, 0)  # map strides and unit without a dense mask
+_NO_MAP = (0, 0, 0, 0, 0, 0, 0, 0)  # map and list strides, unit and tiles without a dense mask
+
+
+def _map_ints(geometry) -> tuple:
+    """The kernels' integers of a tile map and its lists: the map's strides and unit, the
+    lists' strides and tiles (_map_geometry); zeros without a dense mask."""
+    return _NO_MAP if geometry is None else (*geometry[3], *geometry[4][3])
+
+
+def _list_tile() -> int:
+    """The tile lists' level (LIST_TILE): the interpreter's own, MAP_TILE on a GPU."""
+    return LIST_TILE_INTERPRETER if _interpreting() else MAP_TILE.value
+
+
+def _list_width(tiles: int) -> int:
+    """A tile row's int32 entries in the tile lists: 4 tiles + 2, padded to a multiple of 16
+    (the strides Triton then specialises as such)."""
+    return cdiv(4 * tiles + 2, 16) * 16
 
 
 def _map_geometry(mask_kind: int, mstride: tuple, B: int, H: int, Lq: int, Lk: int):
     """The tile map of a dense mask with broadcast strides ``mstride`` at (B, H, Lq, Lk):
-    (mask kind, mstride, (Bm, Hm, CM, CN), (stride_b, stride_h, stride_m, unit)); CM x CN
-    cells at the MAP_CELL level, unit = CM CN / 64, each (batch, head) 225 units of codes
+    (mask kind, mstride, (Bm, Hm, CM, CN), (stride_b, stride_h, stride_m, unit), lists); CM x
+    CN cells at the MAP_CELL level, unit = CM CN / 64, each (batch, head) 225 units of codes
     (_map_level). Dims the mask broadcasts over (stride 0) have one entry with stride 0, the
-    batch, head and query ones, so that a key-padding mask (B, 1, 1, Lk) maps one block row."""
+    batch, head and query ones, so that a key-padding mask (B, 1, 1, Lk) maps one block row.
+    lists = (LIST_TILE, rows, tiles, (stride_b, stride_h, stride_m, tiles)): the tile lists'
+    level, its tile rows and columns, and the strides the kernels read them by."""
     Bm, Hm = (B if mstride[0] else 1), (H if mstride[1] else 1)
     tile, cells = MAP_TILE.value, MAP_TILE.value // MAP_CELL.value
     CM = cdiv(Lq, tile) * cells if mstride[2] else cells
     CN = cdiv(Lk, tile) * cells
     unit = CM * CN // 64
     strides = (Hm * 225 * unit if mstride[0] else 0, 225 * unit if mstride[1] else 0, CN if mstride[2] else 0, unit)
-    return mask_kind, mstride, (Bm, Hm, CM, CN), strides
+    list_tile = _list_tile()
+    rows, tiles = CM * MAP_CELL.value // list_tile, CN * MAP_CELL.value // list_tile
+    width = _list_width(tiles)
+    lists = (list_tile, rows, tiles, (Hm * rows * width if mstride[0] else 0, rows * width if mstride[1] else 0,
+                                      width if mstride[2] else 0, tiles))
+    return mask_kind, mstride, (Bm, Hm, CM, CN), strides, lists
 
 
 def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
     """The int8 tile map of ``mask`` (the kernels' operand), built on mask's device."""
-    kind, mstride, (Bm, Hm, CM, CN), (_, _, _, unit) = geometry
+    kind, mstride, (Bm, Hm, CM, CN), (_, _, _, unit), _ = geometry
     tile_map = torch.empty((Bm, Hm, 225 * unit), dtype=torch.int8, device=mask.device)
     cells = MAP_TILE.value // MAP_CELL.value
     with on_device(mask):
@@ -1288,9 +1509,25 @@ def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Ten
     return tile_map
 
 
+def _build_tile_lists(codes: torch.Tensor, geometry) -> torch.Tensor:
+    """The int32 tile lists (module docstring) of the tile map ``codes``, on its device."""
+    _, _, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
+    width = _list_width(tiles)
+    lists = torch.empty((Bm, Hm, rows, width), dtype=torch.int32, device=codes.device)
+    with on_device(codes):
+        _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG, lambda meta: (rows, Bm * Hm),
+             (lists, codes, rows, tiles, width, unit), _tile_lists_spec(list_tile))
+    return lists
+
+
 @functools.lru_cache(maxsize=None)
 def _tile_map_spec(kind: int) -> Spec:
     return Spec(dict(MASK_KIND=kind))
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_lists_spec(list_tile: int) -> Spec:
+    return Spec(dict(LIST_TILE=list_tile))
 
 
 # One map per dense mask, reused while the mask is the same tensor object, unchanged (its
@@ -1306,12 +1543,12 @@ def _forget_tile_map(key: int, ref) -> None:
         del _TILE_MAPS[key]
 
 
-def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
-    """The tile map of ``attn_mask`` (``mask``: the kernels' view of it) at ``geometry``
-    (_map_geometry), built on first use and cached with the tensor attn_mask is a view of
-    (the per-call views of the layers above share it) at the same address and geometry.
-    Inference tensors (no version counter) and CUDA graph captures (whose replays must
-    rebuild it) build it on every call."""
+def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> tuple:
+    """(tile map, tile lists) of ``attn_mask`` (``mask``: the kernels' view of it) at
+    ``geometry`` (_map_geometry), built on first use and cached with the tensor attn_mask is a
+    view of (the per-call views of the layers above share it) at the same address and
+    geometry. Inference tensors (no version counter) and CUDA graph captures (whose replays
+    must rebuild them) build them on every call."""
     owner = attn_mask._base if attn_mask._base is not None else attn_mask
     key, where = id(owner), (geometry, mask.data_ptr())
     try:
@@ -1322,7 +1559,8 @@ def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk:
     if entry is not None and entry[0]() is owner and entry[1] == version and entry[2] == where \
             and version is not None:
         return entry[3]
-    built = _build_tile_map(mask, geometry, Lq, Lk)
+    codes = _build_tile_map(mask, geometry, Lq, Lk)
+    built = codes, _build_tile_lists(codes, geometry)
     if version is not None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         if len(_TILE_MAPS) >= _TILE_MAPS_MAX:
             del _TILE_MAPS[next(iter(_TILE_MAPS))]
@@ -1341,12 +1579,36 @@ def attention_tile_map(attn_mask: torch.Tensor, shape: tuple, tile: tuple = (16,
     operand, kind, mstride = _mask_operand(full, full)
     geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
     with on_device(full):
-        codes = tile_map(attn_mask, operand, geometry, Lq, Lk)
-    _, _, (Bm, Hm, CM, CN), (_, _, stride_m, unit) = geometry
+        codes, _ = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    _, _, (Bm, Hm, CM, CN), (_, _, stride_m, unit), _ = geometry
     a, b = tile[0] // MAP_CELL.value, tile[1] // MAP_CELL.value
     start = unit * (15 * (16 - 16 // a) + 128 // a - 128 // (a * b))
     rows, cols = (CM // a if stride_m else 1), CN // b
     return codes[:, :, start:start + CM // a * cols].view(Bm, Hm, CM // a, cols)[:, :, :rows]
+
+
+def attention_tile_lists(attn_mask: torch.Tensor, shape: tuple) -> tuple:
+    """Backend interface (tests, debugging): the tile lists the forward and dQ kernels read for
+    a dense mask broadcast to ``shape`` = (B, H, Lq, Lk), built and cached as the kernels build
+    and cache them: (list tile, full counts, partial counts, full indices, partial indices),
+    the counts (B or 1, H or 1, tile rows, tiles + 1) int32 prefix counts, the indices (..., tiles)
+    with -1 past each row's count; tile rows and columns of the list tile over the mask padded
+    to whole MAP_TILE blocks (one tile row where the mask's rows broadcast)."""
+    B, H, Lq, Lk = shape
+    full = attn_mask.expand(B, H, Lq, Lk)
+    operand, kind, mstride = _mask_operand(full, full)
+    geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
+    with on_device(full):
+        _, lists = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    list_tile, rows, tiles, (_, _, stride_m, _) = geometry[4]
+    lists = lists[:, :, :rows if stride_m else 1]
+    full_count, part_count = lists[..., :tiles + 1], lists[..., tiles + 1:2 * (tiles + 1)]
+    at = torch.arange(tiles, device=lists.device)
+    full_index = lists[..., 2 * (tiles + 1):2 * (tiles + 1) + tiles]
+    part_index = lists[..., 2 * (tiles + 1) + tiles:2 * (tiles + 1) + 2 * tiles]
+    full_index = torch.where(at < full_count[..., -1:], full_index, -1)
+    part_index = torch.where(at < part_count[..., -1:], part_index, -1)
+    return list_tile, full_count, part_count, full_index, part_index
 
 
 def _lengths_operand(key_lengths: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -1433,15 +1695,15 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         _, kind, mstride = _mask_operand(attn_mask, q)
         geometry = None if attn_mask is None else _map_geometry(kind, mstride, B, H, Lq, Lk)
         ints = (*k.stride()[:3], *v.stride()[:3], H * Lq * D, Lq * D, D, *mstride,
-                *(_NO_MAP if geometry is None else geometry[3]), H, H // Hkv, Lq)
+                *_map_ints(geometry), H, H // Hkv, Lq)
         tail = (dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launch, ints, tail, geometry = site
         if dropout_p > 0.0:
             tail = (tail[0], int(seed), tail[2], tail[3])
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, Lq, Lk)
-    args = (q, k, v, out, lse, mask, tmap, q if key_lengths is None else _lengths_operand(key_lengths, q),
+    tmap, lists = (q, q) if attn_mask is None else tile_map(attn_mask, mask, geometry, Lq, Lk)
+    args = (q, k, v, out, lse, mask, tmap, lists, q if key_lengths is None else _lengths_operand(key_lengths, q),
             *q_strides[:3], *ints, Lk, causal_offset, float(scale), float(dropout_p), *tail)
     with on_device(q):
         if site is not None:
@@ -1451,7 +1713,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             # the row maximum before the scale, which must be positive to commute with it; in
             # the light class only, whose worst case compile-check builds with it
             c = spec.constexprs
-            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and c["MASK_KIND"] == MASK_NONE and not c["HAS_DROPOUT"])
+            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and not c["HAS_DROPOUT"], LIST_TILE=_list_tile())
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                              args, spec)
             remember(_FWD_SITES, key, (launch, ints, tail, geometry))
@@ -1491,12 +1753,12 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         qs, ks, vs = q.stride()[:3], k.stride()[:3], v.stride()[:3]
         _, kind, mstride = _mask_operand(attn_mask, q)
         geometry = None if attn_mask is None else _map_geometry(kind, mstride, B, H, Lq, Lk)
-        mstride = (*mstride, *(_NO_MAP if geometry is None else geometry[3]))  # with the map's
+        mstride = (*mstride, *_map_ints(geometry))  # with the map's (and the lists', for dQ)
         sizes = (H, H // Hkv, Lq, Lk, int(causal_offset))
         kv_contiguous = (Hkv * Lk * D, Lk * D, D)
         ds = dout.stride()[:3]
         ints = ((*qs, *ks, *vs, *ds, *out.stride()[:3], *contiguous, *mstride, *sizes),
-                (*qs, *ks, *vs, *ds, *kv_contiguous, *kv_contiguous, *mstride, *sizes))
+                (*qs, *ks, *vs, *ds, *kv_contiguous, *kv_contiguous, *mstride[:8], *sizes))
         tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launches, ints, tail, like, geometry = site
@@ -1507,14 +1769,14 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
     # tiles a program skips (above the diagonal, past a key length) are never written: zeros
     dmask = torch.zeros_like(mask_like) if mask_grad else None
     mask = q if attn_mask is None else attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-    tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, q.shape[2], k.shape[2])
+    tmap, lists = (q, q) if attn_mask is None else tile_map(attn_mask, mask, geometry, q.shape[2], k.shape[2])
     kl = q if key_lengths is None else _lengths_operand(key_lengths, q)
     # per row hi, r delta and r, and the flags of rows of huge scores (the module docstring)
     hi, delta, r, exact = _empty_like(row_like), _empty_like(row_like), _empty_like(row_like), \
         _empty_like(exact_like)
     scale = float(scale)
     args = (  # in launch order: the dK/dV kernel reads what the dQ kernel writes
-        (q, k, v, dout, out, lse, hi, delta, r, exact, dq, q if dmask is None else dmask, mask, tmap, kl,
+        (q, k, v, dout, out, lse, hi, delta, r, exact, dq, q if dmask is None else dmask, mask, tmap, lists, kl,
          *ints[0], scale, *tail),
         (q, k, v, dout, r, exact, hi, delta, dk, dv, mask, tmap, kl, *ints[1], scale, *tail),
     )
@@ -1538,7 +1800,7 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
     Hkv, Lk = args[1][1].shape[1], args[1][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad)))
+                        args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad), LIST_TILE=_list_tile()))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
                 args[1], _spec_with(feats, OUTPUT=output))
@@ -1613,10 +1875,11 @@ class AttentionSite:
         lse = _empty_like(self.lse_like)
         # the mask as it is: the strides of its broadcast are among ints
         mask = q if attn_mask is None else attn_mask.view(torch.uint8) if self.bool_mask else attn_mask
-        tmap = q if attn_mask is None else tile_map(attn_mask, mask, geometry, self.Lq, Lk)
+        tmap, lists = (q, q) if attn_mask is None else tile_map(attn_mask, mask, geometry, self.Lq, Lk)
         kl = q if key_lengths is None else (key_lengths if key_lengths.dtype == torch.int32
                                              and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
-        args = (q, k, v, out, lse, mask, tmap, kl, *self.q_strides, *ints, Lk, max(-self.Lq, min(causal_offset, Lk)),
+        args = (q, k, v, out, lse, mask, tmap, lists, kl, *self.q_strides, *ints, Lk,
+                max(-self.Lq, min(causal_offset, Lk)),
                 self.scale if scale is None else scale, 0.0, *tail)
         with on_device(q):
             launch(args)
@@ -1697,4 +1960,5 @@ def compile_targets() -> list[dict]:
     return _attention_targets.compile_targets(
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
         dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
+        tile_lists=_attention_tile_lists_kernel, list_tile=MAP_TILE.value,
     )

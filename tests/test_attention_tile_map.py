@@ -25,14 +25,14 @@ DEVICES = TRITON_DEVICES
 CELL = K.MAP_CELL.value if hasattr(K.MAP_CELL, "value") else K.MAP_CELL
 
 
-def cell_mask(shape, device, seed=0, kind="bool"):
-    """A mask whose MAP_CELL x MAP_CELL cells are each empty, full or mixed, at random: bool
-    (True = may attend) or float (0 / -inf, mixed cells with finite values too)."""
+def cell_mask(shape, device, seed=0, kind="bool", cell=CELL):
+    """A mask whose cell x cell cells (MAP_CELL by default) are each empty, full or mixed, at
+    random: bool (True = may attend) or float (0 / -inf, mixed cells with finite values too)."""
     g = torch.Generator().manual_seed(seed)
     *lead, Lq, Lk = shape
-    cm, cn = -(-Lq // CELL), -(-Lk // CELL)
+    cm, cn = -(-Lq // cell), -(-Lk // cell)
     cls = torch.randint(0, 3, (*lead, cm, cn), generator=g)  # 0 empty, 1 full, 2 mixed
-    cls = cls.repeat_interleave(CELL, -2).repeat_interleave(CELL, -1)[..., :Lq, :Lk]
+    cls = cls.repeat_interleave(cell, -2).repeat_interleave(cell, -1)[..., :Lq, :Lk]
     mixed = torch.rand(shape, generator=g) < 0.6
     allowed = (cls == 1) | ((cls == 2) & mixed)
     if kind == "bool":
@@ -110,6 +110,72 @@ def test_map_classifies_every_tile_of_every_shape(kind, layout, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["full", "heads1", "rows1", "2d", "strided"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_lists_hold_each_rows_full_and_partial_tiles_in_order(kind, layout, device):
+    """The tile lists: per row of list tiles, the prefix counts of its full (live, not dense)
+    and partial (live and dense) tiles, and their column indices in increasing order."""
+    B, H, Lq, Lk = 2, 3, 70, 300
+    shapes = {"full": (B, H, Lq, Lk), "heads1": (B, 1, Lq, Lk), "rows1": (B, 1, 1, Lk), "2d": (Lq, Lk),
+              "strided": (B, H, Lq, 2 * Lk)}
+    mask = cell_mask(shapes[layout], device, seed=13, kind=kind, cell=32)
+    if layout == "strided":
+        mask = mask[..., ::2]
+    list_tile, full_count, part_count, full_index, part_index = K.attention_tile_lists(mask, (B, H, Lq, Lk))
+    codes = expected_map(mask, (B, H, Lq, Lk), (list_tile, list_tile))
+    if layout == "rows1":
+        codes = codes[:, :, :1]
+    codes = codes[:full_count.shape[0], :full_count.shape[1]].long().cpu()
+    live, dense = codes & K.MAP_LIVE.value != 0, codes & K.MAP_DENSE.value != 0
+    assert (live & ~dense).any() and (live & dense).any() and (~live).any(), "a mask with every kind of tile"
+    for cls, count, index in ((live & ~dense, full_count, full_index), (live & dense, part_count, part_index)):
+        want_count = torch.nn.functional.pad(cls.long().cumsum(-1), (1, 0))
+        torch.testing.assert_close(count.cpu().long(), want_count, atol=0, rtol=0)
+        for b, h, r in zip(*[i.flatten() for i in torch.meshgrid(*map(torch.arange, cls.shape[:3]), indexing="ij")]):
+            want = cls[b, h, r].nonzero().flatten()
+            got = index[b, h, r].cpu().long()
+            assert got[:len(want)].tolist() == want.tolist() and (got[len(want):] == -1).all()
+
+
+def block_mask(shape, device, block, seed=0, kind="bool"):
+    """cell_mask drawn by blocks of the tile lists' tile, so that whole list tiles are empty,
+    full and mixed (the loops over listed full and partial tiles all run)."""
+    return cell_mask(shape, device, seed=seed, kind=kind, cell=block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bool", "float", "bool+key_lengths+causal", "float+causal+key_lengths",
+                                  "bool+gqa", "rows1+causal_br", "bool+dropout"])
+def test_masks_with_empty_full_and_partial_list_tiles_match_reference(kind, device):
+    """Whole list tiles of each kind, with the key lengths and causal masks that end the
+    listed loops mid-row: outputs and every gradient, the float mask's included."""
+    block = K._list_tile()
+    B, H, Lq, Lk, D = 2, 2, 3 * block + 5, 5 * block - 3, 16
+    Hkv = 1 if "gqa" in kind else H
+    torch.manual_seed(14)
+    q = torch.randn(B, H, Lq, D, device=device)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=device) for _ in range(2))
+    shape = (B, 1, 1, Lk) if "rows1" in kind else (B, 1, Lq, Lk) if "bool" in kind else (H, Lq, Lk)
+    kw = {"attn_mask": block_mask(shape, device, block, seed=15, kind="float" if "float" in kind else "bool")}
+    if "key_lengths" in kind:
+        kw["key_lengths"] = torch.tensor([Lk - block - 7, Lk], device=device)
+    if "causal" in kind:
+        kw["is_causal"] = True
+    if "causal_br" in kind:
+        kw["causal_offset"] = Lk - Lq
+    if "dropout" in kind:
+        p = 0.25
+        torch.manual_seed(16)
+        got = _triton(q, k, v, dropout_p=p, **kw)
+        torch.manual_seed(16)
+        keep = fasttrans.functional.attention_dropout_mask(q, k, p)
+        want = reference.attention(q.double(), k.double(), v.double(), dropout_p=p, dropout_mask=keep, **kw)
+        torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)
+        return
+    _check(q, k, v, kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bool", "float", "bool+key_lengths+causal", "float+causal", "bool+gqa",
                                   "rows1+causal_br"])
 def test_masks_with_empty_full_and_mixed_tiles_match_reference(kind, device):
@@ -176,16 +242,17 @@ def test_kernels_follow_the_map(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("where", ["first", "last"])
-def test_an_inf_value_outside_the_live_span_is_never_read(where, device):
-    """Key tiles before the first live one and after the last are skipped outright (their
-    values never loaded), where a mixed tile weighs a masked key's inf value by 0 (NaN, as the
-    reference's dense product)."""
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_an_inf_value_in_a_tile_the_mask_forbids_is_never_read(where, device):
+    """Key tiles a bool mask forbids entirely are skipped outright (their keys and values never
+    loaded) by the forward, where a mixed tile weighs a masked key's inf value by 0 (NaN, as
+    the reference's dense product)."""
     Lq, Lk, D = CELL, 4 * CELL, 8
     torch.manual_seed(6)
     q, k, v = (torch.randn(1, 1, L, D, device=device) for L in (Lq, Lk, Lk))
     mask = torch.ones(1, 1, Lq, Lk, dtype=torch.bool, device=device)
-    cols = slice(0, CELL) if where == "first" else slice(3 * CELL, 4 * CELL)
+    start = {"first": 0, "middle": CELL, "last": 3 * CELL}[where]
+    cols = slice(start, start + CELL)
     mask[..., cols] = False  # a whole key tile of the interpreter's, at one end
     v[0, 0, cols.start + 1, 0] = float("inf")
     assert torch.isfinite(_triton(q, k, v, attn_mask=mask)).all()

@@ -18,7 +18,7 @@ from fasttrans import compile_check
 
 ARCHS = ["sm_80", "sm_90"]
 ATTENTION_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_dropout_mask",
-                     "attention_tile_map"}
+                     "attention_tile_map", "attention_tile_lists"}
 ATTENTION_MATMUL_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 
 
@@ -71,7 +71,7 @@ def test_json_output_has_the_documented_keys(capsys):
     assert status == 0, rows
     assert len(rows) == 1
     assert set(rows[0]) == {"kernel", "config", "arch", "ok", "registers", "spills", "shared_bytes", "tensor_cores",
-                            "tma", "wgmma_shapes", "loop_per_element", "error"}
+                            "tma", "wgmma_shapes", "loop_per_element", "partial_loop_per_element", "error"}
     assert rows[0]["kernel"] == "attention_dropout_mask" and rows[0]["arch"] == "sm_80" and rows[0]["ok"]
 
 
@@ -202,3 +202,20 @@ def test_loop_goals_hold_for_every_entry_they_name(all_rows):
                        f"s{cfg.num_stages}{dtype}"
                 row = next(r for r in all_rows if r["kernel"] == kernel and r["arch"] == "sm_90" and r["config"] == name)
                 assert row["ok"] and row["loop_per_element"] is not None and row["loop_per_element"] <= goal, row
+
+
+@pytest.mark.slow
+def test_a_dense_masks_full_tiles_run_the_unmasked_loop(all_rows):
+    """The forward with a dense bool mask alone runs its listed full tiles in a loop within 5%
+    of the same build without a mask (it carries its list's next entries), and counts the
+    loop over partial tiles apart; the dQ kernel with a mask has both loops too."""
+    fwd = {r["config"]: r for r in all_rows if r["kernel"] == "attention_fwd" and r["arch"] == "sm_90"}
+    for dclass in (64, 128):
+        (plain,) = [r for c, r in fwd.items() if c.startswith(f"d{dclass}-heavy") and c.endswith("-plain")]
+        (bool_,) = [r for c, r in fwd.items() if c.startswith(f"d{dclass}-heavy") and c.endswith("-bool")]
+        assert plain["partial_loop_per_element"] is None, plain
+        assert bool_["loop_per_element"] <= 1.05 * plain["loop_per_element"], (bool_, plain)
+        assert bool_["partial_loop_per_element"] > bool_["loop_per_element"], bool_
+    dq = [r for r in all_rows if r["kernel"] == "attention_bwd_dq" and r["arch"] == "sm_90" and "-heavy-" in r["config"]
+          and not r["config"].startswith("d256") and "ieee" not in r["config"]]
+    assert dq and all(r["partial_loop_per_element"] is not None for r in dq), _describe(dq)
