@@ -20,6 +20,11 @@ Sweeps (select with --sweep):
               E=256 H=4): inference (eval mode, no gradients, where torch.nn takes its fused
               fast path) and forward+backward (train mode, dropout 0).
 
+Mask kinds: none, causal, key_padding (the last 25% of the keys), dense_padding (the same
+keys as a dense (B, 1, Lq, Lk) bool mask for both: whole tiles are allowed or masked, the case
+a tile-classifying kernel should run near its unmasked speed), dense_bool (10% of the pairs
+masked at random), dense_float (a random bias).
+
 Providers: fasttrans-<backend> for every registered backend (forced with
 fasttrans.use_backend), torch (F.scaled_dot_product_attention with the equivalent mask:
 key padding as a bool (B, 1, 1, Lk) mask, causal as is_causal=True; torch.nn.MultiheadAttention
@@ -48,7 +53,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from benchmarks import common  # noqa: E402
 from benchmarks.common import Config, Entry  # noqa: E402
 
-MASKS = ("none", "causal", "key_padding", "dense_bool", "dense_float")
+MASKS = ("none", "causal", "key_padding", "dense_padding", "dense_bool", "dense_float")
 MODES = ("fwd", "fwd+bwd")
 PAD_FRACTION = 0.25  # share of the keys that are padding in the key_padding cases
 DENSE_MASKED_FRACTION = 0.1  # share of (query, key) pairs masked out by the dense masks
@@ -86,6 +91,10 @@ def mask_arguments(mask: str, B: int, Lq: int, Lk: int, dtype: torch.dtype, devi
         lengths = torch.full((B,), Lk - int(Lk * PAD_FRACTION), dtype=torch.int32, device=device)
         allowed = torch.arange(Lk, device=device) < lengths[:, None]  # (B, Lk), True = may attend
         return {"key_lengths": lengths}, {"attn_mask": allowed.view(B, 1, 1, Lk)}
+    if mask == "dense_padding":  # key_padding's keys written as a dense mask: whole tiles allowed or not
+        allowed = torch.arange(Lk, device=device) < Lk - int(Lk * PAD_FRACTION)
+        allowed = allowed.expand(B, 1, Lq, Lk).contiguous()
+        return {"attn_mask": allowed}, {"attn_mask": allowed}
     if mask == "dense_bool":
         allowed = torch.rand(B, 1, Lq, Lk, device=device) >= DENSE_MASKED_FRACTION
         diagonal = torch.arange(min(Lq, Lk), device=device)

@@ -7,8 +7,9 @@ informative first):
                builds the C++/CUDA extension, once, for every later part)
     tests      ``pytest tests -m gpu`` (-n 4 with pytest-xdist, --timeout with pytest-timeout)
     host       benchmarks/bench_host.py, when the checkout has it
-    attention  fp16 and bf16, D 64/128, L 1024/4096, masks none/causal/key_padding/dense_bool,
-               fwd and fwd+bwd, fasttrans' GPU backends against F.scaled_dot_product_attention
+    attention  fp16 and bf16, D 64/128, L 1024/4096, masks none/causal/key_padding/
+               dense_padding/dense_bool, fwd and fwd+bwd, fasttrans' GPU backends against
+               F.scaled_dot_product_attention
     norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
     model      training step of the demo (digits-average) model and of the base model
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
@@ -140,7 +141,8 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
     if pytest_timeout:  # a hung test fails alone instead of taking the part's whole time
         tests += ["--timeout", "90"]
     attention = ["--sweep", "sweep", "--head-dim", "64,128", "--seq-len", "1024,4096",
-                 "--mask", "none,causal,key_padding,dense_bool", "--mode", "fwd,fwd+bwd", "--provider", PROVIDERS]
+                 "--mask", "none,causal,key_padding,dense_padding,dense_bool", "--mode", "fwd,fwd+bwd",
+                 "--provider", PROVIDERS]
     norms = ["--sweep", "sweep", "--hidden", "1024,8192", "--op", "layer_norm,add_layer_norm,rms_norm",
              "--mode", "fwd,fwd+bwd", "--provider", PROVIDERS]
     return [
