@@ -394,6 +394,23 @@ def _list_window_step(window, index, n, it, SUB: tl.constexpr):
 
 
 @triton.jit
+def _loop_tile(it, window, codes, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, LISTED: tl.constexpr,
+               LIST_TILE: tl.constexpr):
+    """(start_n, live, dense) of iteration it of a key loop (_tile_flags; codes: the map's codes
+    of the query tile's key tile 0): over a key range, it is the tile's first key; over listed
+    tiles, it counts the key tiles of the window's entries, whose mask is read whole (one select
+    per score where the map's flag would take two)."""
+    if LISTED:
+        start_n = window[0] * LIST_TILE + it % (LIST_TILE // BLOCK_N) * BLOCK_N
+    else:
+        start_n = it
+    live, dense = _tile_flags(codes + start_n // BLOCK_N, MASK_KIND)
+    if LISTED:
+        dense = tl.full((), 1, tl.int1)
+    return start_n, live, dense
+
+
+@triton.jit
 def _attention_tile_map_kernel(
     TileMap,  # (Bm, Hm, 225 * unit) int8 codes of every level (_map_level), contiguous, written
     Mask,  # the dense mask (uint8 bool or float), read through strides
@@ -637,21 +654,13 @@ def _attention_fwd_inner(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     SUB: tl.constexpr = LIST_TILE // BLOCK_N
-    STEP: tl.constexpr = 1 if LISTED else BLOCK_N
-    if LISTED:
-        window = _list_window(index, hi // SUB)
-    for it in range(lo, hi, STEP):
-        if LISTED:
-            start_n = window[0] * LIST_TILE + it % SUB * BLOCK_N
-        else:
-            start_n = it
-        flags = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
-        if LISTED:  # a listed partial tile reads its mask whole: one select per score, not two
-            flags = (flags[0], tl.full((), 1, tl.int1))
+    window = _list_window(index, hi // SUB) if LISTED else (0, 0)
+    for it in range(lo, hi, 1 if LISTED else BLOCK_N):
+        start_n, live, dense = _loop_tile(it, window, mask[3], BLOCK_N, MASK_KIND, LISTED, LIST_TILE)
         # a listed partial tile may lie between tiles the mask forbids entirely: those load nothing
         SKIP_DEAD: tl.constexpr = LISTED and MASK_KIND != 0
         s, key_tile = _key_tile_scores(
-            q, tile, keys, mask, flags, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
+            q, tile, keys, mask, (live, dense), start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
             MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE, SKIP_DEAD,
         )
         start_n64, cols, col_ok, load_ok = key_tile
@@ -1105,17 +1114,9 @@ def _attention_bwd_dq_inner(
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
     SUB: tl.constexpr = LIST_TILE // BLOCK_N
-    STEP: tl.constexpr = 1 if LISTED else BLOCK_N
-    if LISTED:
-        window = _list_window(index, hi // SUB)
-    for it in range(lo, hi, STEP):
-        if LISTED:
-            start_n = window[0] * LIST_TILE + it % SUB * BLOCK_N
-        else:
-            start_n = it
-        live, dense = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
-        if LISTED:  # a listed partial tile reads its mask whole: one select per score, not two
-            dense = tl.full((), 1, tl.int1)
+    window = _list_window(index, hi // SUB) if LISTED else (0, 0)
+    for it in range(lo, hi, 1 if LISTED else BLOCK_N):
+        start_n, live, dense = _loop_tile(it, window, mask[3], BLOCK_N, MASK_KIND, LISTED, LIST_TILE)
         # v is loaded before the scores are computed: computing them first, through
         # _key_tile_scores, made several shipped builds spill (compile-check)
         start_n64 = tl.cast(start_n, tl.int64)
@@ -1568,18 +1569,25 @@ def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk:
     return built
 
 
+def _tile_map_of(attn_mask: torch.Tensor, shape: tuple) -> tuple:
+    """(codes, lists, geometry) of a dense mask broadcast to ``shape``, as the kernels build and
+    cache them (the backend interfaces below)."""
+    B, H, Lq, Lk = shape
+    full = attn_mask.expand(B, H, Lq, Lk)
+    operand, kind, mstride = _mask_operand(full, full)
+    geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
+    with on_device(full):
+        codes, lists = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    return codes, lists, geometry
+
+
 def attention_tile_map(attn_mask: torch.Tensor, shape: tuple, tile: tuple = (16, 16)) -> torch.Tensor:
     """Backend interface (tests, debugging): the codes the kernels read for (BLOCK_M, BLOCK_N)
     = ``tile`` tiles of a dense mask broadcast to ``shape`` = (B, H, Lq, Lk), an int8 (B or 1,
     H or 1, tile rows, tile columns) tensor of MAP_LIVE | MAP_DENSE codes (one tile row where
     the mask's rows broadcast), padded with 0 to whole MAP_TILE blocks; built and cached as
     the kernels build and cache it."""
-    B, H, Lq, Lk = shape
-    full = attn_mask.expand(B, H, Lq, Lk)
-    operand, kind, mstride = _mask_operand(full, full)
-    geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
-    with on_device(full):
-        codes, _ = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    codes, _, geometry = _tile_map_of(attn_mask, shape)
     _, _, (Bm, Hm, CM, CN), (_, _, stride_m, unit), _ = geometry
     a, b = tile[0] // MAP_CELL.value, tile[1] // MAP_CELL.value
     start = unit * (15 * (16 - 16 // a) + 128 // a - 128 // (a * b))
@@ -1594,12 +1602,7 @@ def attention_tile_lists(attn_mask: torch.Tensor, shape: tuple) -> tuple:
     the counts (B or 1, H or 1, tile rows, tiles + 1) int32 prefix counts, the indices (..., tiles)
     with -1 past each row's count; tile rows and columns of the list tile over the mask padded
     to whole MAP_TILE blocks (one tile row where the mask's rows broadcast)."""
-    B, H, Lq, Lk = shape
-    full = attn_mask.expand(B, H, Lq, Lk)
-    operand, kind, mstride = _mask_operand(full, full)
-    geometry = _map_geometry(kind, mstride, B, H, Lq, Lk)
-    with on_device(full):
-        _, lists = tile_map(attn_mask, operand, geometry, Lq, Lk)
+    _, lists, geometry = _tile_map_of(attn_mask, shape)
     list_tile, rows, tiles, (_, _, stride_m, _) = geometry[4]
     lists = lists[:, :, :rows if stride_m else 1]
     full_count, part_count = lists[..., :tiles + 1], lists[..., tiles + 1:2 * (tiles + 1)]
