@@ -696,8 +696,8 @@ def test_unpadded_encoder_runs_padded_where_packing_would_change_the_result():
 
 def _decoder(family: str):
     """A small eager decoder-only LM of the families apply(unpad=True) packs, in training mode."""
-    if family == "llama":
-        model = _pair("llama")[0]
+    if family in ("llama", "gpt2"):
+        model = _pair(family)[0]
     else:
         torch.manual_seed(0)
         config = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
@@ -713,18 +713,18 @@ def _decoder(family: str):
 @pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
 @pytest.mark.parametrize("family,backend", [  # Triton (interpreted, seconds per model) on Llama
     pytest.param(f, *b.values, id=f"{f}-{b.id}", marks=b.marks)
-    for f in ("llama", "qwen2") for b in (ALL_BACKENDS if f == "llama" else BACKENDS)])
+    for f in ("llama", "qwen2", "gpt2") for b in (ALL_BACKENDS if f == "llama" else BACKENDS)])
 def test_unpadded_decoders_match_eager_at_real_tokens(family, left, backend, one_thread):
     """apply(unpad=True) on a decoder-only LM in training: the layers run on the real tokens,
-    each at its padded position (rotary embedding). Logits at real tokens and every gradient
-    of a loss over them are eager's; the last hidden state is 0 at the pads."""
+    each at its padded position (rotary embedding; GPT-2's learned one). Logits at real tokens
+    and every gradient of a loss over them are eager's; the last hidden state is 0 at the pads."""
     model, twin = _decoder(family)
     kw, real = _inputs("llama", left)
     kw.pop("position_ids")  # each token at its column, as the padded model places it
     _assert_unpadded_like_eager(model, twin, kw, real, backend)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_unpadded_causal_lm_heads_and_losses_skip_the_pads(family, one_thread):
     """With labels (-100 at the pads) the LM head and the loss run on the real tokens only:
     the loss and every gradient are eager's. Where a pad's shifted label counts (before the
@@ -802,12 +802,27 @@ def test_unpad_needs_the_attention_and_an_encoder_it_knows():
     model, _ = _pair("bert")
     with pytest.raises(ValueError, match="unpad"):
         ftt.apply(copy.deepcopy(model), attention=False, unpad=True)
-    gpt2, _ = _pair("gpt2")
+    t5, _ = _pair("t5")
     with pytest.warns(UserWarning, match="unpad"):
-        _, skipped = ftt.apply(copy.deepcopy(gpt2), unpad=True)
-    assert [n for n, why in skipped if "unpad=True" in why] == ["GPT2LMHeadModel"]
+        _, skipped = ftt.apply(copy.deepcopy(t5), unpad=True)
+    assert [n for n, why in skipped if "unpad=True" in why] == ["T5ForConditionalGeneration"]
     # the state_dict is the model's, and a copy runs unpadded on its own weights
     _, twin = _unpadded_pair("bert")
     assert twin.state_dict().keys() == model.state_dict().keys()
     clone = copy.deepcopy(twin)
     assert clone.bert.encoder.forward.encoder is clone.bert.encoder
+
+
+def test_unpadded_gpt2_runs_padded_with_token_types():
+    """GPT-2 adds an embedding of token_type_ids, which packing would have to pack too: given
+    them, the model's own forward runs (the pads' states are not 0) and matches eager."""
+    model, twin = _decoder("gpt2")
+    kw, real = _inputs("gpt2", left=False)
+    kw.pop("position_ids")
+    kw["token_type_ids"] = torch.ones_like(kw["input_ids"])
+    with torch.no_grad():
+        packed = twin.transformer(**{k: v for k, v in kw.items() if k != "token_type_ids"}).last_hidden_state
+        assert torch.equal(packed[~real], torch.zeros_like(packed[~real]))
+        typed = twin.transformer(**kw).last_hidden_state
+        assert typed[~real].abs().max() > 0
+        _close(twin(**kw).logits[real], model(**kw).logits[real], "logits with token types")

@@ -30,7 +30,8 @@ attention function reads no tensor value on the host.
 
 Packed sequences (transformers' padding-free ``cu_seq_lens_q`` / ``_k`` arguments, without
 a mask) attend within each sequence. ``apply(model, unpad=True)`` runs BERT-family encoders
-on the real tokens of a padded batch only, through that path.
+and the Llama, Qwen2 and GPT-2 decoders on the real tokens of a padded batch only, through
+that path.
 
 ``apply(model)`` replaces transformers' RMSNorm classes that compute
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
@@ -445,7 +446,7 @@ def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
     ``torch.nn.functional`` (most of BART's and Marian's) stays torch's.
 
     With ``unpad`` (and ``attention``), BERT-family encoders (BERT, RoBERTa, XLM-R,
-    CamemBERT, ELECTRA) and Llama and Qwen2 models (when they fill no cache: in training,
+    CamemBERT, ELECTRA) and Llama, Qwen2 and GPT-2 models (when they fill no cache: in training,
     or with ``use_cache=False``; their LM heads and losses too) run on the real tokens of a
     padded batch only, packed, so their matrix products skip the padding: their outputs at
     padded positions become zeros (elsewhere they are unchanged) and each forward
@@ -591,10 +592,11 @@ class _UnpaddedEncoderForward:
 
 
 # Decoder-only base models whose layers work token by token except through the attention
-# interface and the rotary embedding of position_ids, both of which take packed sequences.
-_UNPADDABLE_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
+# interface and the positions of position_ids (rotary, or GPT-2's learned embedding), both of
+# which take packed sequences.
+_UNPADDABLE_DECODERS = frozenset({"LlamaModel", "Qwen2Model", "GPT2Model"})
 # Their causal LMs: forward = base model, LM head, loss (ForCausalLMLoss), nothing else.
-_UNPADDABLE_CAUSAL_LMS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+_UNPADDABLE_CAUSAL_LMS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"})
 
 
 def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple = ()):
@@ -611,7 +613,7 @@ def _decoder_packing(model: nn.Module, args: tuple, kwargs: dict, checks: tuple 
             or (positions is not None and (positions.dim() != 2 or positions.shape[1] != mask.shape[1]
                                            or positions.shape[0] not in (1, mask.shape[0])))
             or any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cu_seq_lens_q",
-                                                       "cu_seq_lens_k"))
+                                                       "cu_seq_lens_k", "token_type_ids", "encoder_hidden_states"))
             or not (use_cache is False or (use_cache is None and model.training))
             or not _packing_ok(model, kwargs)):
         return None
