@@ -41,7 +41,8 @@ Sweeps (select with --sweep):
               Marian, T5, GPT-2, Llama with 2 key/value heads) at one small shape: hidden 256,
               4 heads, FFN 1024, vocabulary 8000, 2 layers (2 + 2 for the encoder-decoders),
               batch 8, 128 input tokens with 25% right padding (the pads out of the loss;
-              64 target tokens for the encoder-decoders); apply() against "sdpa".
+              64 target tokens for the encoder-decoders); apply() (and for BERT, GPT-2 and
+              Llama apply(unpad=True), variant [unpad]) against "sdpa".
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
 activations in that one precision, as half-precision fine-tuning without autocast does.
@@ -255,6 +256,7 @@ HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4
 HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
 # the hf-families sweep: one small shape for every family the integration is tested on
 HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama")
+HF_UNPADDABLE = ("bert", "gpt2", "llama")  # the families apply(unpad=True) runs on real tokens only
 HF_FAMILY = dict(vocab=8000, hidden=256, heads=4, kv_heads=2, ffn=1024, layers=2)
 HF_FAMILY_QUICK = dict(vocab=256, hidden=64, heads=4, kv_heads=2, ffn=128, layers=1)
 HF_PADDING = 0.25  # mean fraction of right padding in the padded batches
@@ -516,7 +518,8 @@ def hf_configs(bench: common.Bench):
             sweep="hf-families", case=f"{family} training step, {spec.layers} layers", op=family,
             mode="train step", dtype=dtype, params=hf_params(spec, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}"),
             inputs=hf_inputs(spec, batch, seq_len, bench.device, dtype, padding=HF_PADDING),
-            entries=hf_entries(bench, hf_train_step, unavailable, torch_variants=("sdpa",)),
+            entries=hf_entries(bench, hf_train_step, unavailable, unpad=family in HF_UNPADDABLE,
+                               torch_variants=("sdpa",)),
             work=float(batch * seq_len), work_unit="token", measure="time", baseline=base,
         )
 

@@ -419,8 +419,9 @@ def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
     assert len(hf) == 14  # BERT 4, Llama's unpadded and padded steps 3 + 4, generate 3
     # every family the integration is tested on, its fasttrans copy checked against sdpa's logits
     families = sorted((r["op"], r["provider"], r["variant"]) for r in rows if r["sweep"] == "hf-families")
-    assert families == sorted((f, p, v) for f in ("bert", "bart", "marian", "t5", "gpt2", "llama")
-                              for p, v in (("fasttrans-extension", ""), ("torch", "sdpa")))
+    assert families == sorted([(f, p, v) for f in ("bert", "bart", "marian", "t5", "gpt2", "llama")
+                               for p, v in (("fasttrans-extension", ""), ("torch", "sdpa"))]
+                              + [(f, "fasttrans-extension", "unpad") for f in ("bert", "gpt2", "llama")])
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["status"] == "ok", r
 
