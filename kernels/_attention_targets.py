@@ -40,7 +40,8 @@ _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 
 def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
                     dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
-                    precision: str | None = None, list_tile: int | None = None, **extra) -> dict:
+                    precision: str | None = None, list_tile: int | None = None, lists_max_head_dim: int = 0,
+                    **extra) -> dict:
     """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
@@ -89,7 +90,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     if name in _LOOP_KERNELS:
         target["loop_scores"] = cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
         # with a dense mask, the forward's and dQ's loop over the listed tiles whose mask they read
-        target["partial_loop"] = name != "attention_bwd_dkdv" and constexprs.get("MASK_KIND", MASK_NONE) != MASK_NONE
+        target["partial_loop"] = (name != "attention_bwd_dkdv" and constexprs.get("MASK_KIND", MASK_NONE) != MASK_NONE
+                                  and dclass is not None and dclass <= lists_max_head_dim)
         goal = LOOP_GOALS.get((name, dclass, weight))
         # the goals are counts of Triton 3.9's SASS; older compilers' loops are reported, not held
         if (goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs
@@ -132,10 +134,11 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
     return cfg.kwargs["BLOCK_N"] if name == "attention_bwd_dkdv" else cfg.kwargs["BLOCK_M"]
 
 
-def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_tile: int) -> list[dict]:
+def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_tile: int,
+                    lists_max_head_dim: int) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
-    kernels/attention.py: the forward, dK/dV, dQ, dropout-mask, tile-map and tile-list ones,
-    and the tile lists' level on a GPU."""
+    kernels/attention.py: the forward, dK/dV, dQ, dropout-mask, tile-map and tile-list ones;
+    the tile lists' level on a GPU, and the head dims up to which the kernels use them."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -147,6 +150,7 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
                 outputs = outputs or (dkdv_outputs(dclass) if stage == "dkdv" else (None,))
                 return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
                                         archs=[arch], precision=precision, list_tile=list_tile,
+                                        lists_max_head_dim=lists_max_head_dim,
                                         **({"OUTPUT": out} if out else {}))
                         for c in cfgs for out in outputs]
 

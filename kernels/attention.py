@@ -1964,4 +1964,5 @@ def compile_targets() -> list[dict]:
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
         dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
         tile_lists=_attention_tile_lists_kernel, list_tile=MAP_TILE.value,
+        lists_max_head_dim=LISTS_MAX_HEAD_DIM.value,
     )
