@@ -83,10 +83,10 @@ indices, partial indices), a row padded to a multiple of 16 entries. The forward
 kernels run the listed tiles before full_end (those no causal or key-length mask cuts) in
 two loops over their key tiles: the full ones exactly as without a mask (no mask read, no
 select, the scale folded as FOLD_SCALE allows), the partial ones with the mask read whole;
-the rest of the row (the tile that full_end cuts, the causal diagonal) runs by the map as
-before. A listed partial tile's key tiles that the mask forbids entirely load no keys or
-values. The loops carry the next entries of their list (_list_window) so that no load of
-keys waits on the load of its index. Head dims above LISTS_MAX_HEAD_DIM keep the map alone.
+the rest of the row (the tile that full_end cuts, the causal diagonal) runs by the map. A
+listed partial tile's key tiles that the mask forbids entirely load no keys or values. The
+loops carry the next entries of their list (_list_window) so that no load of keys waits on
+the load of its index. Head dims above LISTS_MAX_HEAD_DIM keep the map alone.
 
 The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
 one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
@@ -167,7 +167,7 @@ MAP_DENSE = tl.constexpr(2)
 LIST_TILE_INTERPRETER = 32
 # Head dims up to which the forward and dQ kernels run their loops over listed tiles; above,
 # the two extra loops make the shipped tiles spill registers (compile-check), and a dense
-# mask is read by tile as before.
+# mask is read by the tile map alone.
 LISTS_MAX_HEAD_DIM = tl.constexpr(128)
 LIST_CHUNK = tl.constexpr(128)  # the tile-list kernel's columns per step
 
@@ -261,7 +261,7 @@ def _dropout_keep_tile(seed, threshold, b, h, offs_m, start_n, BLOCK_N: tl.const
 @triton.jit
 def _apply_dense_mask(s, mask_ptrs, load_ok, dense, MASK_KIND: tl.constexpr):
     """Scores s (log2 units) with a dense bool/float mask tile applied; load_ok bounds the
-    load and is all false on a tile that is not dense (_tile_dense), which then counts as all
+    load and is all false on a tile that is not dense (_tile_flags), which then counts as all
     True or 0. Lanes not loaded read 0, which cp.async fills for free; a bool tile ORs in
     ``~dense`` after the load (a fill of ``~dense`` would take a select per score)."""
     mval = tl.load(mask_ptrs, mask=load_ok, other=0)
@@ -305,22 +305,11 @@ def _map_row(Map_bh, stride_map_m, map_unit, start_m, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
-def _tile_dense(Code, MASK_KIND: tl.constexpr):
-    """Whether the tile whose code is at Code must read its mask (else every element may
-    attend with mask value 0: _apply_dense_mask loads nothing). Without a dense mask, a
-    constant that folds away."""
-    if MASK_KIND == 0:
-        dense = tl.full((), 0, tl.int1)
-    else:
-        dense = (tl.load(Code) & MAP_DENSE) != 0
-    return dense
-
-
-@triton.jit
 def _tile_flags(Code, MASK_KIND: tl.constexpr):
-    """(live, dense) of the tile whose code is at Code: dense as _tile_dense's; live, whether
-    any element may attend, else the forward and dQ kernels load none of its keys and values
-    (module docstring). Without a dense mask, constants that fold away."""
+    """(live, dense) of the tile whose code is at Code: dense, whether the tile must read its
+    mask (else every element may attend with mask value 0: _apply_dense_mask loads nothing);
+    live, whether any element may attend, else the forward and dQ kernels load none of its
+    keys and values (module docstring). Without a dense mask, constants that fold away."""
     if MASK_KIND == 0:
         live = tl.full((), 1, tl.int1)
         dense = tl.full((), 0, tl.int1)
@@ -507,7 +496,7 @@ def _masked_scores(
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     key_tile,  # (start_n64, cols, col_ok): the key tile's first key, its keys (BLOCK_N,), keys < kv_len
     mask,  # (Mask_rows, stride_mask_m, stride_mask_n, ...): as _attention_fwd_inner's
-    dense,  # whether this tile's mask must be read (_tile_dense)
+    dense,  # whether this tile's mask must be read (_tile_flags)
     causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -906,7 +895,7 @@ def _attention_bwd_dkdv_inner(
     for t in range(0, GROUP * num_tiles):
         start_m = lo + i * BLOCK_M
         off_h = head0 + g
-        dense = _tile_dense(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)
+        _, dense = _tile_flags(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)
         start_m64 = tl.cast(start_m, tl.int64)
         rows = start_m + rows_local
         row_ok = rows < Lq  # all True on full tiles, whose rows are below Lq
