@@ -26,6 +26,7 @@ import (the hooks: per call). Set ``FASTTRANS_TRITON_PLANS=0`` to force the publ
 
 from __future__ import annotations
 
+import contextvars
 import operator
 import os
 from collections.abc import Callable
@@ -95,41 +96,69 @@ class _Plan:
     launch function beneath it, with ``head`` the arguments it takes before the grid's
     stream-independent part and ``tail`` the constexprs that complete the argument list."""
 
-    __slots__ = ("run", "function", "metadata", "tail", "meta", "direct", "head")
+    __slots__ = ("run", "function", "metadata", "tail", "meta", "direct", "head", "scratch")
 
     def __init__(self, compiled, tail, meta):
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.tail, self.meta = tail, meta
-        self.direct, self.head = _direct_launch(compiled)
+        self.direct, self.head, self.scratch = _direct_launch(compiled)
 
 
 def _direct_launch(compiled) -> tuple:
-    """(C launch function, its leading arguments) for a kernel whose launcher would only
-    forward to it, or (None, None). Triton's CudaLauncher.__call__ allocates the scratch
-    buffers a kernel declares and then calls its C ``launch``; a kernel with no scratch (all
-    of fasttrans's) needs only the C call. Its calling
-    convention differs between the Triton versions read (see PLANNED_VERSIONS), and any
-    other launcher class keeps the full route."""
+    """(C launch function, its leading arguments, global scratch bytes per program) for a
+    kernel whose launcher would only forward to it, or (None, None, 0). Triton's
+    CudaLauncher.__call__ allocates the scratch buffers a kernel declares (global scratch
+    through the allocator of ``triton.set_allocator``) and then calls its C ``launch``. A
+    kernel with no scratch needs only the C call; one with global scratch (tensor
+    descriptors made on the device) needs a buffer of that many bytes per program, passed
+    where the leading arguments hold ``_SCRATCH``. The calling convention differs between the
+    Triton versions read (see PLANNED_VERSIONS), and any other launcher class, or a kernel
+    with profiling scratch, keeps the full route."""
     try:
         from triton.backends.nvidia.driver import CudaLauncher
     except ImportError:
-        return None, None
+        return None, None, 0
     run = compiled.run
-    if (type(run) is not CudaLauncher or getattr(run, "gsan_enabled", False)
-            or run.global_scratch_size or run.profile_scratch_size):
-        return None, None
+    if type(run) is not CudaLauncher or getattr(run, "gsan_enabled", False) or run.profile_scratch_size:
+        return None, None, 0
+    scratch = run.global_scratch_size * run.num_ctas
+    slot = _SCRATCH if scratch else None
     if _TRITON_MINOR == "3.9":
         # launch(gx, gy, gz, stream, function, cooperative, pdl, metadata, launch_metadata,
         #        enter_hook, exit_hook, global_scratch, profile_scratch, annotations, signature, args)
         return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                            compiled.packed_metadata, None, None, None, None, None,
-                            run.arg_annotations, run.kernel_signature)
+                            compiled.packed_metadata, None, None, None, slot, None,
+                            run.arg_annotations, run.kernel_signature), scratch
     if _TRITON_MINOR == "3.6":
         # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
         #        metadata, launch_metadata, enter_hook, exit_hook, *args)
-        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                            compiled.packed_metadata, None, None, None)
-    return None, None
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, slot, None,
+                            compiled.packed_metadata, None, None, None), scratch
+    return None, None, 0
+
+
+_SCRATCH = object()  # where a launch's global scratch buffer goes among a plan's head
+_set_allocator = getattr(triton, "set_allocator", None)  # Triton 3.3 and later
+
+
+def _scratch_head(head: tuple, nbytes: int, device: torch.device) -> tuple:
+    """A plan's head with a fresh global scratch buffer of ``nbytes`` in its slot. Allocated
+    per launch from torch's caching allocator, so that launches on different streams never
+    share one."""
+    buffer = torch.empty((nbytes,), dtype=torch.int8, device=device)
+    return tuple(buffer if h is _SCRATCH else h for h in head)
+
+
+def _allocating(device: torch.device, launch: Callable[[], object]):
+    """``launch()`` with Triton's scratch allocator (``triton.set_allocator``) giving torch
+    tensors on ``device``, set in a copy of the caller's context: the caller's own setting,
+    if any, is untouched. For launches that go through Triton's launcher (the public route,
+    and plans without a direct launch) of kernels that may make tensor descriptors."""
+    def run():
+        _set_allocator(lambda size, alignment, stream: torch.empty((size,), dtype=torch.int8, device=device))
+        return launch()
+
+    return contextvars.copy_context().run(run)
 
 
 class Spec:
@@ -155,11 +184,14 @@ class Launcher:
     parameters; ``spec`` a :class:`Spec` (or a dict of constexprs, looked up by its contents
     at some cost per call). Returns nothing. ``fresh`` names tensor parameters that always
     get a whole new allocation (so aligned) in a dtype that the other arguments' keys and the
-    constexprs fix: they are not keyed.
+    constexprs fix: they are not keyed. ``scratch``: the kernel may make tensor descriptors
+    on the device, which take global scratch memory, allocated on the device of the first
+    argument (a tensor) for each launch.
     """
 
-    def __init__(self, kernel, fresh: tuple[str, ...] = ()):
+    def __init__(self, kernel, fresh: tuple[str, ...] = (), scratch: bool = False):
         self.kernel = kernel
+        self.scratch = scratch
         self.tuned = isinstance(kernel, Autotuner)
         jit = kernel
         while isinstance(jit, Autotuner):
@@ -203,7 +235,17 @@ class Launcher:
         g2 = g[2] if len(g) > 2 else 1
         stream = _get_stream(device_index if device_index is not None else 0)
         if plan.direct is None:
-            plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
+            if self.scratch and _set_allocator is not None:
+                _allocating(args[0].device, lambda: plan.run(g[0], g1, g2, stream, plan.function, plan.metadata,
+                                                             None, None, None, *args, *plan.tail))
+            else:
+                plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
+        elif plan.scratch:
+            head = _scratch_head(plan.head, g[0] * g1 * g2 * plan.scratch, args[0].device)
+            if _TRITON_MINOR == "3.9":
+                plan.direct(g[0], g1, g2, stream, *head, args + plan.tail)
+            else:
+                plan.direct(g[0], g1, g2, stream, *head, *args, *plan.tail)
         elif _TRITON_MINOR == "3.9":
             plan.direct(g[0], g1, g2, stream, *plan.head, args + plan.tail)
         else:
@@ -229,7 +271,22 @@ class Launcher:
         enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         stream_of = triton.runtime.driver.active.get_current_stream  # the driver that compiled the kernel
 
-        if _TRITON_MINOR == "3.9":
+        if plan.scratch:  # a fresh buffer per launch, allocated like the launchers' outputs
+            slot = head.index(_SCRATCH)
+            before, after = head[:slot], head[slot + 1:]
+            buffer_like = torch.empty((1,), dtype=torch.int8, device=args[0].device).expand(g0 * g1 * g2 * plan.scratch)
+            empty_like = torch.empty_like
+            if _TRITON_MINOR == "3.9":
+                def launch(args):
+                    if not _PLANS or enter.calls or exit_.calls:
+                        return self(grid, args, spec, device_index)
+                    direct(g0, g1, g2, stream_of(index), *before, empty_like(buffer_like), *after, args + tail)
+            else:
+                def launch(args):
+                    if not _PLANS or enter.calls or exit_.calls:
+                        return self(grid, args, spec, device_index)
+                    direct(g0, g1, g2, stream_of(index), *before, empty_like(buffer_like), *after, *args, *tail)
+        elif _TRITON_MINOR == "3.9":
             def launch(args):
                 if not _PLANS or enter.calls or exit_.calls:
                     return self(grid, args, spec, device_index)
@@ -242,6 +299,9 @@ class Launcher:
         return launch
 
     def _public(self, grid, args, spec: Spec):
+        if self.scratch and _set_allocator is not None and not _interpreting():
+            return _allocating(args[0].device, lambda: self.kernel[grid](*args, **spec.constexprs, **spec.options,
+                                                                         **LAUNCH_OPTIONS))
         return self.kernel[grid](*args, **spec.constexprs, **spec.options, **LAUNCH_OPTIONS)
 
     def _plan(self, grid, args, spec: Spec) -> _Plan:
@@ -289,6 +349,10 @@ def remember(sites: dict, key, value) -> None:
     if len(sites) >= SITES_MAX:
         sites.clear()
     sites[key] = value
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _get_stream(device_index: int):
