@@ -33,21 +33,23 @@ _LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 # the most SASS instructions per score element the main loop may take on sm_90 in 16-bit, per
 # (kernel, head-dim class, weight): compile-check fails a target above its goal
 # (the backward's goal, 19 per score for its two loops together, split between dK/dV and dQ)
-LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_bwd_dkdv", 64, "light"): 11.4,
-              ("attention_bwd_dq", 64, "light"): 6.95}
+# (the forward's and dQ's on their TMA builds: the route sm_90 takes where the layout allows)
+LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_fwd", 128, "light"): 8.5,
+              ("attention_bwd_dkdv", 64, "light"): 11.4, ("attention_bwd_dq", 64, "light"): 6.95}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, weight: str | None,
                     dtype: torch.dtype = torch.float16, matmul: bool = True, archs=None,
                     precision: str | None = None, list_tile: int | None = None, lists_max_head_dim: int = 0,
-                    **extra) -> dict:
+                    tma: bool = False, **extra) -> dict:
     """One compile-check target: ``kernel`` in ``cfg``, specialised for the worst case of its class.
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
     and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
     ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
+    ``tma``: the forward's or dQ's keys and values through tensor descriptors.
     """
     label = extra.pop("label", None)  # a name part of the config, not a constexpr
     if precision is None:
@@ -69,6 +71,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
             constexprs["LIST_TILE"] = list_tile
         if "FOLD_SCALE" in kernel.arg_names:  # a positive scale, without dropout
             constexprs["FOLD_SCALE"] = not heavy
+        if "TMA" in kernel.arg_names:
+            constexprs["TMA"] = tma
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = {
         p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
@@ -95,7 +99,7 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
         goal = LOOP_GOALS.get((name, dclass, weight))
         # the goals are counts of Triton 3.9's SASS; older compilers' loops are reported, not held
         if (goal is not None and dtype != torch.float32 and archs is not None and "sm_90" in archs
-                and TRITON_VERSION >= (3, 9)):
+                and TRITON_VERSION >= (3, 9) and (tma or "TMA" not in kernel.arg_names)):
             target["loop_goal"] = goal
     if matmul and _wgmma_rows(name, cfg) < 64:
         target["wgmma"] = False  # below wgmma's 64 rows: mma.sync on sm_90 too
@@ -146,22 +150,31 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
             ("dkdv", dkdv, "attention_bwd_dkdv", BWD_DKDV_CONFIGS, BWD_DKDV_CONFIGS_FP32),
             ("dq", dq, "attention_bwd_dq", BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32),
         ):
-            def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None):
+            def tma_route(weight, dtype):  # as attention._tma_layout, where the layout allows
+                return stage in ("fwd", "dq") and arch == "sm_90" and weight == "light" and dtype != torch.float32
+
+            def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None, tma=None):
                 outputs = outputs or (dkdv_outputs(dclass) if stage == "dkdv" else (None,))
+                if tma is None:
+                    tma = tma_route(weight, dtype)
+                label = {"label": "cpasync"} if tma_route(weight, dtype) and not tma else {}
                 return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
                                         archs=[arch], precision=precision, list_tile=list_tile,
-                                        lists_max_head_dim=lists_max_head_dim,
-                                        **({"OUTPUT": out} if out else {}))
+                                        lists_max_head_dim=lists_max_head_dim, tma=tma,
+                                        **({"OUTPUT": out} if out else {}), **label)
                         for c in cfgs for out in outputs]
 
             for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
                 targets += builds(cfgs, dclass, weight)
+                if tma_route(weight, torch.float16):  # and by pointer loads, where the layout rules TMA out
+                    targets += builds(cfgs, dclass, weight, tma=False)
             # bf16 lowers through the same tensor-core paths; one build per kernel proves it, and
             # every entry with a loop goal is held to it in bf16 too
-            targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
-            for dclass, weight in table[arch]:
-                if (name, dclass, weight) in LOOP_GOALS and arch == "sm_90":
-                    targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
+            goals = [(d, w) for d, w in table[arch] if (name, d, w) in LOOP_GOALS and arch == "sm_90"]
+            if (128, "light") not in goals:
+                targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
+            for dclass, weight in goals:
+                targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
             if stage == "fwd" and arch == "sm_90":  # the loop alone, with a dense mask alone, with dropout alone
                 for dclass in (64, 128):
                     heavy = builds(table[arch][(dclass, "heavy")][:1], dclass, "heavy")[0]

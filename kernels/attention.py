@@ -94,6 +94,13 @@ the query tile of its inner loop can then stay small. Head dims above 128 run it
 once for dV and once for dK, each with a single fp32 accumulator (two (BLOCK_N, 256) fp32
 accumulators do not fit in registers next to the rest).
 
+Loads: on compute capability >= 9, the 16-bit forward and dQ kernels of the light class read
+keys and values through tensor descriptors (TMA) that each program makes for its (batch, kv
+head) as a (kv_len, HEAD_DIM) matrix, where the layout allows (_tma_layout); a tile load reads
+zeros past kv_len, which the masked pointer loads read too, so both routes compute the same
+bits. Their loops then issue no address arithmetic for them. Every other launch loads through
+pointers (cp.async).
+
 Limits: fp16, bf16, fp32 (fp64 runs on the reference and extension backends); head dims
 1..256 (padded to a power of two >= 16, padded lanes masked); any Lq, Lk; H a multiple of
 Hkv; q/k/v with stride(-1) == 1; batch and head offsets in int64, so tensors with more
@@ -557,13 +564,14 @@ def _key_tile_scores(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
-    SKIP_DEAD: tl.constexpr = False,
+    SKIP_DEAD: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """The key tile at start_n, loaded, and the query tile's masked scores against it:
     (scores, (start_n as int64, key columns, columns < kv_len, keys to load)); unscaled with
-    FOLD_SCALE. With SKIP_DEAD the keys to load are none on a tile the mask forbids entirely."""
+    FOLD_SCALE. With SKIP_DEAD the keys to load are none on a tile the mask forbids entirely.
+    With TMA (light launches, which never skip), the keys come through the descriptor keys[2]."""
     _, _, d_ok = tile
-    K_head, stride_k_n = keys
+    K_head, stride_k_n = keys[0], keys[1]
     live, dense = flags
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -571,7 +579,10 @@ def _key_tile_scores(
     cols = start_n + offs_n
     col_ok = cols < kv_len
     k_ptrs = K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :]
-    if SKIP_DEAD:
+    if TMA:  # the descriptor's zeros past kv_len stand for the masked load's
+        load_ok = col_ok
+        k = keys[2].load([start_n, 0])
+    elif SKIP_DEAD:
         load_ok = tl.where(live, col_ok, False)
         k = _load_tile(k_ptrs, load_ok, d_ok, True, MASK_D)
     else:
@@ -621,7 +632,7 @@ def _attention_fwd_inner(
     state,  # (acc, l_i, m_i): running output (BLOCK_M, BLOCK_D), row sums and row maxima (BLOCK_M,), fp32
     q,  # (BLOCK_M, BLOCK_D) query tile
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
-    keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
+    keys, values,  # (K_head, stride_k_n[, descriptor with TMA]), likewise V: this (batch, kv head) at key 0
     mask,  # (Mask_rows, stride_mask_m, stride_mask_n, Codes_row): the dense mask at (batch, head,
     #        tile row 0, key 0), the tile map's codes of (batch, head, this query tile, key tile 0)
     dropout,  # (dropout_p, dropout_threshold, seed)
@@ -632,11 +643,11 @@ def _attention_fwd_inner(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE,
+    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE, TMA: tl.constexpr = False,
 ):
     acc, l_i, m_i = state
     offs_m, _, d_ok = tile
-    V_head, stride_v_n = values
+    V_head, stride_v_n = values[0], values[1]
     dropout_p, dropout_threshold, seed = dropout
     # Tile pointers are rebuilt each iteration from scalar bases: a loop-carried pointer tensor
     # would hold a 64-bit address per element in registers.
@@ -650,7 +661,7 @@ def _attention_fwd_inner(
         SKIP_DEAD: tl.constexpr = LISTED and MASK_KIND != 0
         s, key_tile = _key_tile_scores(
             q, tile, keys, mask, (live, dense), start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
-            MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE, SKIP_DEAD,
+            MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE, SKIP_DEAD, TMA,
         )
         start_n64, cols, col_ok, load_ok = key_tile
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
@@ -658,8 +669,11 @@ def _attention_fwd_inner(
         if HAS_DROPOUT:
             keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-        v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
-                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
+        if TMA:
+            v = values[2].load([start_n, 0])
+        else:
+            v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
+                           load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, INPUT_PRECISION)
         m_i = m_new
         if LISTED:
@@ -693,12 +707,14 @@ def _attention_fwd_kernel(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr,  # scale > 0, no dropout: see _online_softmax_step
     LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
+    TMA: tl.constexpr,  # keys and values through tensor descriptors (TMA on sm_90), see _tma_layout
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     off_hkv = off_h // GROUP
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    tl.static_assert(not TMA or (MASK_KIND == 0 and not HAS_DROPOUT), "TMA: the light class only (_tma_layout)")
 
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
@@ -725,8 +741,16 @@ def _attention_fwd_kernel(
     qk_scale = scale * LOG2E
 
     tile = (offs_m, row_ok, d_ok)
-    keys = (K_head, stride_k_n)
-    values = (V_head, stride_v_n)
+    if TMA:
+        # this head's keys and values as (kv_len, HEAD_DIM) matrices: a tile load reads zeros
+        # outside them, as the masked loads do; 128 bytes of global scratch each per program
+        keys = (K_head, stride_k_n, tl.make_tensor_descriptor(
+            K_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_k_n, 1], [BLOCK_N, BLOCK_D]))
+        values = (V_head, stride_v_n, tl.make_tensor_descriptor(
+            V_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_v_n, 1], [BLOCK_N, BLOCK_D]))
+    else:
+        keys = (K_head, stride_k_n)
+        values = (V_head, stride_v_n)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dropout = (dropout_p, dropout_threshold, seed)
     listed_end = 0
@@ -742,26 +766,26 @@ def _attention_fwd_kernel(
             (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
             0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-            FOLD_SCALE, True, LIST_TILE,
+            FOLD_SCALE, True, LIST_TILE, TMA,
         )
         acc, l_i, m_i = _attention_fwd_inner(
             (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
             0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-            FOLD_MASKED, True, LIST_TILE,
+            FOLD_MASKED, True, LIST_TILE, TMA,
         )
     lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-        FOLD_MASKED,
+        FOLD_MASKED, False, MAP_TILE, TMA,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
-        FOLD_MASKED,
+        FOLD_MASKED, False, MAP_TILE, TMA,
     )
 
     # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
@@ -1091,12 +1115,12 @@ def _attention_bwd_dq_inner(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE,
+    LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE, TMA: tl.constexpr = False,
 ):
     q, do, row_hi, delta, r = query_rows
     offs_m, row_ok, d_ok = tile
-    K_head, stride_k_n = keys
-    V_head, stride_v_n = values
+    K_head, stride_k_n = keys[0], keys[1]
+    V_head, stride_v_n = values[0], values[1]
     DMask_rows, Lk = dmask
     dropout_p, dropout_threshold, seed = dropout
     offs_n = tl.arange(0, BLOCK_N)
@@ -1114,10 +1138,14 @@ def _attention_bwd_dq_inner(
         # as the forward's: nothing of a listed tile the mask forbids entirely
         SKIP_DEAD: tl.constexpr = LISTED and MASK_KIND != 0
         load_ok = tl.where(live, col_ok, False) if SKIP_DEAD else col_ok
-        k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
-                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
-        v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
-                       load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
+        if TMA:
+            k = keys[2].load([start_n, 0])
+            v = values[2].load([start_n, 0])
+        else:
+            k = _load_tile(K_head + start_n64 * stride_k_n + offs_n[:, None] * stride_k_n + offs_d[None, :],
+                           load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
+            v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
+                           load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
                            BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
         p = tl.math.exp2(s - row_hi[:, None])
@@ -1167,6 +1195,7 @@ def _attention_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
+    TMA: tl.constexpr,  # keys and values through tensor descriptors, as the forward's
 ):
     """dQ of one query tile, after its rows' backward statistics: delta = rowsum(dO * O), hi =
     lse (log2 units) and r = 1, or on the module docstring's rows of huge scores hi = m and r
@@ -1178,6 +1207,7 @@ def _attention_bwd_dq_kernel(
     off_b = tl.program_id(2).to(tl.int64)
     off_hkv = off_h // GROUP
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    tl.static_assert(not TMA or (MASK_KIND == 0 and not HAS_DROPOUT), "TMA: the light class only (_tma_layout)")
 
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
@@ -1235,7 +1265,13 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     query_rows = (q, do, row_hi, delta, r)
-    values = (V_head, stride_v_n)
+    if TMA:  # as the forward's
+        keys = (K_head, stride_k_n, tl.make_tensor_descriptor(
+            K_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_k_n, 1], [BLOCK_N, BLOCK_D]))
+        values = (V_head, stride_v_n, tl.make_tensor_descriptor(
+            V_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_v_n, 1], [BLOCK_N, BLOCK_D]))
+    else:
+        values = (V_head, stride_v_n)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed)
@@ -1250,26 +1286,26 @@ def _attention_bwd_dq_kernel(
             dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
             0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-            DOT_FP32, INPUT_PRECISION, True, LIST_TILE,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA,
         )
         dq = _attention_bwd_dq_inner(
             dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
             0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-            DOT_FP32, INPUT_PRECISION, True, LIST_TILE,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA,
         )
     lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
         lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-        DOT_FP32, INPUT_PRECISION,
+        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA,
     )
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
         lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
-        DOT_FP32, INPUT_PRECISION,
+        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA,
     )
 
     dq = dq * (r * scale)[:, None]
@@ -1317,19 +1353,25 @@ _FRESH = {
 }
 
 
+# kernels that may make tensor descriptors on the device (TMA), which take global scratch
+_SCRATCH_KERNELS = {_attention_fwd_kernel, _attention_bwd_dq_kernel}
+
+
 def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
     """{(precision class, arch, head-dim class, weight): autotuner over that entry's configurations}."""
     key = _TUNE_KEY + list(extra_key)
-    return {(precision, arch, *k): Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel])
+    return {(precision, arch, *k): Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel],
+                                            kernel in _SCRATCH_KERNELS)
             for precision, configs in tables.items()
             for arch, table in configs.items() for k, cfgs in table.items()}
 
 
-_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32}, "FOLD_SCALE")
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32}, "FOLD_SCALE",
+                        "TMA")
 _DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {"16-bit": BWD_DKDV_CONFIGS, "fp32": BWD_DKDV_CONFIGS_FP32},
                          "OUTPUT")
 _DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp32": BWD_DQ_CONFIGS_FP32},
-                       "MASK_GRAD")
+                       "MASK_GRAD", "TMA")
 
 
 # --------------------------------------------------------------------------------------
@@ -1351,7 +1393,32 @@ def _check_dtype(q: torch.Tensor) -> None:
         )
 
 
-_PLAIN = {kernel: Launcher(kernel, fresh) for kernel, fresh in _FRESH.items()}
+_PLAIN = {kernel: Launcher(kernel, fresh, kernel in _SCRATCH_KERNELS) for kernel, fresh in _FRESH.items()}
+
+# Keys and values through tensor descriptors in the forward and dQ (see _tma_layout). The tests turn
+# it on under the interpreter, which runs descriptors too, to check the route's results.
+TMA_ENABLED = getenv("FASTTRANS_TMA") != "0" and hasattr(tl, "make_tensor_descriptor")
+TMA_UNDER_INTERPRETER = False
+
+
+def _tma_layout(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> bool:
+    """Whether the forward and dQ kernels load keys and values through tensor descriptors
+    (the Tensor Memory Accelerator): on compute capability 9 and above, in 16 bits, in the
+    light class (no dense mask, no dropout: the builds compile-check holds to the loop
+    goals; with dropout, TMA's loops took more instructions), when every head of k and v
+    starts and every key row steps on a 16-byte boundary, as TMA requires. Otherwise, or
+    with FASTTRANS_TMA=0, by pointer loads (cp.async). Decided when a call site is made:
+    the site's key holds what it depends on."""
+    c = spec.constexprs
+    if _weight(c["MASK_KIND"], c["HAS_DROPOUT"]) != "light":
+        return False
+    if _interpreting():
+        if not TMA_UNDER_INTERPRETER:
+            return False
+    elif not TMA_ENABLED or k.dtype == torch.float32 or _gpu_arch(k.device) != "sm_90":
+        return False
+    size = k.element_size()
+    return all(_data_ptr(t) % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3]) for t in (k, v))
 
 
 # Launch specs (constexprs and options) are made once per configuration and derived ones
@@ -1705,7 +1772,8 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             # the row maximum before the scale, which must be positive to commute with it; in
             # the light class only, whose worst case compile-check builds with it
             c = spec.constexprs
-            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and not c["HAS_DROPOUT"], LIST_TILE=_list_tile())
+            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and not c["HAS_DROPOUT"], LIST_TILE=_list_tile(),
+                              TMA=_tma_layout(k, v, spec))
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                              args, spec)
             remember(_FWD_SITES, key, (launch, ints, tail, geometry))
@@ -1792,7 +1860,8 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
     Hkv, Lk = args[1][1].shape[1], args[1][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-                        args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad), LIST_TILE=_list_tile()))
+                        args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad), LIST_TILE=_list_tile(),
+                                            TMA=_tma_layout(args[0][1], args[0][2], feats)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
                 args[1], _spec_with(feats, OUTPUT=output))

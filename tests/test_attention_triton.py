@@ -189,6 +189,75 @@ def test_folded_scale_gives_the_bits_of_scaled_scores(kind, device, monkeypatch)
     assert torch.equal(out, out_neg) and torch.equal(lse, lse_neg)
 
 
+def _tma_routes(monkeypatch, tma: bool) -> list:
+    """Allow the forward's and dQ's key/value loads through tensor descriptors (under the
+    interpreter too), or not; returns the list that (stage, route) of each of their launches
+    is appended to."""
+    routes = []
+    launch = K._launch
+
+    def spy(tuned, kernel, stage, grid, args, spec):
+        if stage in ("fwd", "dq"):
+            routes.append((stage, spec.constexprs["TMA"]))
+        return launch(tuned, kernel, stage, grid, args, spec)
+
+    monkeypatch.setattr(K, "_launch", spy)
+    monkeypatch.setattr(K, "TMA_UNDER_INTERPRETER", tma)
+    monkeypatch.setattr(K, "TMA_ENABLED", tma)
+    for sites in ("_FWD_SITES", "_BWD_SITES", "_ATTENTION_SITES"):  # no launch bound by an earlier call
+        monkeypatch.setattr(K, sites, {})
+    return routes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "causal_br", "causal_neg", "key_lengths+causal", "key_lengths"])
+def test_tma_route_gives_the_bits_of_pointer_loads(kind, device, monkeypatch):
+    """Keys and values loaded through tensor descriptors (zeros outside the (kv_len, D)
+    matrix) give the output and every gradient of pointer loads bit for bit, with a padded
+    head dim, grouped heads, (B, L, H, D) views, a partial last key tile and a key length of
+    0; and match the reference (fp16: the route's dtypes on a GPU, of compute capability 9
+    or more). Dense masks and dropout (the heavy class) keep pointer loads."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9 or more")
+    B, H, Hkv, Lq, Lk, D = 3, 4, 2, 37, 45, 24
+    q = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)
+    k, v = (torch.randn(B, Lk, Hkv, D, device=device).transpose(1, 2) for _ in range(2))
+    kw = _masks(kind, B, H, Lq, Lk, device)
+    if "key_lengths" in kw:
+        kw["key_lengths"][-1] = 0
+    dout = torch.randn(q.shape, device=device)
+    results = []
+    for tma in (True, False):
+        routes = _tma_routes(monkeypatch, tma)
+        results.append(_run(_triton, q, k, v, dout, kw, cast=torch.float16))
+        assert routes == [("fwd", tma), ("dq", tma)], routes
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+    routes = _tma_routes(monkeypatch, True)
+    _check(q, k, v, kw, dtype=torch.float16, dout=dout)
+    assert routes == [("fwd", True), ("dq", True)], routes
+    routes = _tma_routes(monkeypatch, True)
+    _triton(q.half(), k.half(), v.half(), dropout_p=0.3, **kw)
+    kw_mask = _masks("bool", B, H, Lq, Lk, device)
+    _triton(q.half(), k.half(), v.half(), **kw_mask)
+    assert routes == [("fwd", False), ("fwd", False)], routes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tma_route_needs_16_byte_rows(device, monkeypatch):
+    """TMA takes rows that start on 16-byte boundaries only: fp16 rows of 20 elements (40
+    bytes) and a key tensor offset by one element go by pointer loads, and still match."""
+    q, k, v = _inputs(1, 2, 2, 19, 23, 20, device)
+    routes = _tma_routes(monkeypatch, True)
+    _check(q, k, v, {"is_causal": True}, dtype=torch.float16)
+    # the autograd route above clones its inputs: the backend gets this k as it is
+    k = torch.randn(2 * 23 * 32 + 1, device=device)[1:].view(1, 2, 23, 32)  # 4-byte aligned only
+    q, v = torch.randn(1, 2, 19, 32, device=device), torch.randn(1, 2, 23, 32, device=device)
+    out, _ = K.attention_fwd(q, k, v, None, None, False, 0, 0.0, 32**-0.5, 0)
+    torch.testing.assert_close(out, reference.attention(q, k, v))
+    assert routes == [("fwd", False), ("dq", False), ("fwd", False)], routes
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_broadcast_masks(device):
     """(B, L, H, D)-layout views and masks with stride-0 broadcast dims, read without copies."""
