@@ -25,6 +25,11 @@ keys as a dense (B, 1, Lq, Lk) bool mask for both: whole tiles are allowed or ma
 a tile-classifying kernel should run near its unmasked speed), dense_bool (10% of the pairs
 masked at random), dense_float (a random bias).
 
+Loads (--loads): "tma" (default) lets the Triton forward read keys and values through tensor
+descriptors where it can (compute capability >= 9, 16-bit, 16-byte rows); "pointer" makes it
+read them by pointer loads everywhere (as FASTTRANS_TMA=0 does), its sweep rows marked
+"pointer loads", to compare the two routes by their speedup against torch.
+
 Providers: fasttrans-<backend> for every registered backend (forced with
 fasttrans.use_backend), torch (F.scaled_dot_product_attention with the equivalent mask:
 key padding as a bool (B, 1, 1, Lk) mask, causal as is_causal=True; torch.nn.MultiheadAttention
@@ -316,7 +321,8 @@ def configs(bench: common.Bench, masks, modes, seq_lens, head_dims):
         for mode in MODES:
             for mask in MASKS:
                 if keep(L, D, mask, mode):
-                    yield attention_config(bench, "sweep", B, H, L, D, mask, mode, bench.args.dtype)
+                    yield attention_config(bench, "sweep", B, H, L, D, mask, mode, bench.args.dtype,
+                                           case="pointer loads" if bench.args.loads == "pointer" else "")
     for case, B, H, Lq, Lk, mask, modes_of_case in short_shapes(quick):
         for mode in modes_of_case:
             if keep(Lq, 64, mask, mode):
@@ -337,7 +343,16 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", action="append", default=[], help="fwd, fwd+bwd")
     parser.add_argument("--seq-len", action="append", default=[], help="sequence lengths to keep")
     parser.add_argument("--head-dim", action="append", default=[], help="head dims to keep")
+    parser.add_argument("--loads", choices=("tma", "pointer"), default="tma",
+                        help="the Triton forward's key/value loads (see above)")
     args = common.parse_args(parser, argv)
+    if args.loads == "pointer":
+        try:
+            from fasttrans.kernels import attention as triton_attention
+        except ImportError:  # no Triton: nothing to switch
+            pass
+        else:
+            triton_attention.TMA_ENABLED = False
     masks = common.split_values(args.mask, choices=MASKS, option="--mask") or MASKS
     modes = common.split_values(args.mode, choices=MODES, option="--mode") or MODES
     seq_lens = common.split_values(args.seq_len, int, option="--seq-len")

@@ -9,7 +9,8 @@ informative first):
     host       benchmarks/bench_host.py, when the checkout has it
     attention  fp16 and bf16, D 64/128, L 1024/4096, masks none/causal/key_padding/
                dense_padding/dense_bool, fwd and fwd+bwd, fasttrans' GPU backends against
-               F.scaled_dot_product_attention
+               F.scaled_dot_product_attention; then fp16 at L 4096 with the forward's keys
+               and values by pointer loads instead of TMA (rows marked "pointer loads")
     norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
     model      training step of the demo (digits-average) model and of the base model
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
@@ -143,6 +144,9 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
     attention = ["--sweep", "sweep", "--head-dim", "64,128", "--seq-len", "1024,4096",
                  "--mask", "none,causal,key_padding,dense_padding,dense_bool", "--mode", "fwd,fwd+bwd",
                  "--provider", PROVIDERS]
+    pointer_loads = ["--dtype", "float16", "--loads", "pointer", "--sweep", "sweep", "--head-dim", "64,128",
+                     "--mask", "none,causal", "--mode", "fwd,fwd+bwd", "--provider", "fasttrans-triton,torc[h]",
+                     "--seq-len"]
     norms = ["--sweep", "sweep", "--hidden", "1024,8192", "--op", "layer_norm,add_layer_norm,rms_norm",
              "--mode", "fwd,fwd+bwd", "--provider", PROVIDERS]
     return [
@@ -155,6 +159,9 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
                    120, 40, "attention"),
         bench_part("attention-bfloat16", "bench_attention.py", ["--dtype", "bfloat16", *attention], out_dir, python,
                    90, 40, "attention"),
+        # the forward's keys and values by pointer loads: against attention-float16's rows
+        bench_part("attention-pointer-loads", "bench_attention.py", [*pointer_loads, "4096"], out_dir, python, 60, 30,
+                   "attention", check_args=[*pointer_loads, "1024"]),  # the CPU sweep stops at 2048
         bench_part("norms-float16", "bench_layernorm.py", ["--dtype", "float16", *norms], out_dir, python,
                    45, 20, "norms"),
         bench_part("norms-float32", "bench_layernorm.py", ["--dtype", "float32", *norms], out_dir, python,

@@ -63,7 +63,7 @@ def test_a_script_check_that_fails_fails_the_dry_run(tmp_path):
 def test_parts_select_by_name_and_group(tmp_path):
     parts = gpu_check.build_parts(tmp_path)
     names = [p.name for p in gpu_check.select_parts(parts, ["attention", "env"])]
-    assert names == ["env", "attention-float16", "attention-bfloat16"]
+    assert names == ["env", "attention-float16", "attention-bfloat16", "attention-pointer-loads"]
     assert [p.name for p in gpu_check.select_parts(parts, ["norms-float32"])] == ["norms-float32"]
 
 
