@@ -33,7 +33,7 @@ _LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 # the most SASS instructions per score element the main loop may take on sm_90 in 16-bit, per
 # (kernel, head-dim class, weight): compile-check fails a target above its goal
 # (the backward's goal, 19 per score for its two loops together, split between dK/dV and dQ)
-# (the forward's and dQ's on their TMA builds: the route sm_90 takes where the layout allows)
+# (on their TMA builds: the route sm_90's light launches take where the layout allows)
 LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_fwd", 128, "light"): 8.5,
               ("attention_bwd_dkdv", 64, "light"): 11.4, ("attention_bwd_dq", 64, "light"): 6.95}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -49,7 +49,7 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
     and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
     ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
-    ``tma``: the forward's or dQ's keys and values through tensor descriptors.
+    ``tma``: the loop's tiles through tensor descriptors (kernels/attention.py, "Loads").
     """
     label = extra.pop("label", None)  # a name part of the config, not a constexpr
     if precision is None:
@@ -139,10 +139,11 @@ def _wgmma_rows(name: str, cfg: triton.Config) -> int:
 
 
 def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_tile: int,
-                    lists_max_head_dim: int) -> list[dict]:
+                    lists_max_head_dim: int, dkdv_tma_max_head_dim: int) -> list[dict]:
     """Every kernel in every shipped GPU configuration, given the @triton.jit kernels of
     kernels/attention.py: the forward, dK/dV, dQ, dropout-mask, tile-map and tile-list ones;
-    the tile lists' level on a GPU, and the head dims up to which the kernels use them."""
+    the tile lists' level on a GPU, the head dims up to which the kernels use them, and those
+    up to which dK/dV loads through TMA."""
     targets = []
     for arch in ("sm_80", "sm_90"):
         for stage, kernel, name, table, table_fp32 in (
@@ -150,14 +151,15 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
             ("dkdv", dkdv, "attention_bwd_dkdv", BWD_DKDV_CONFIGS, BWD_DKDV_CONFIGS_FP32),
             ("dq", dq, "attention_bwd_dq", BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32),
         ):
-            def tma_route(weight, dtype):  # as attention._tma_layout, where the layout allows
-                return stage in ("fwd", "dq") and arch == "sm_90" and weight == "light" and dtype != torch.float32
+            def tma_route(dclass, weight, dtype):  # as attention._tma_layout, where the layout allows
+                return (arch == "sm_90" and weight == "light" and dtype != torch.float32
+                        and (stage != "dkdv" or dclass <= dkdv_tma_max_head_dim))
 
             def builds(cfgs, dclass, weight, dtype=torch.float16, precision=None, outputs=None, tma=None):
                 outputs = outputs or (dkdv_outputs(dclass) if stage == "dkdv" else (None,))
                 if tma is None:
-                    tma = tma_route(weight, dtype)
-                label = {"label": "cpasync"} if tma_route(weight, dtype) and not tma else {}
+                    tma = tma_route(dclass, weight, dtype)
+                label = {"label": "cpasync"} if tma_route(dclass, weight, dtype) and not tma else {}
                 return [_compile_target(kernel, name, c, dclass, weight, dtype, matmul=precision != "ieee",
                                         archs=[arch], precision=precision, list_tile=list_tile,
                                         lists_max_head_dim=lists_max_head_dim, tma=tma,
@@ -166,7 +168,7 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
 
             for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
                 targets += builds(cfgs, dclass, weight)
-                if tma_route(weight, torch.float16):  # and by pointer loads, where the layout rules TMA out
+                if tma_route(dclass, weight, torch.float16):  # and by pointer loads, where the layout rules TMA out
                     targets += builds(cfgs, dclass, weight, tma=False)
             # bf16 lowers through the same tensor-core paths; one build per kernel proves it, and
             # every entry with a loop goal is held to it in bf16 too

@@ -94,12 +94,14 @@ the query tile of its inner loop can then stay small. Head dims above 128 run it
 once for dV and once for dK, each with a single fp32 accumulator (two (BLOCK_N, 256) fp32
 accumulators do not fit in registers next to the rest).
 
-Loads: on compute capability >= 9, the 16-bit forward and dQ kernels of the light class read
-keys and values through tensor descriptors (TMA) that each program makes for its (batch, kv
-head) as a (kv_len, HEAD_DIM) matrix, where the layout allows (_tma_layout); a tile load reads
-zeros past kv_len, which the masked pointer loads read too, so both routes compute the same
-bits. Their loops then issue no address arithmetic for them. Every other launch loads through
-pointers (cp.async).
+Loads: on compute capability >= 9, 16-bit launches of the light class read the tiles of their
+loops through tensor descriptors (TMA) where the layout allows (_tma_layout): the forward and
+dQ kernels keys and values, each program's (batch, kv head) as a (kv_len, HEAD_DIM) matrix;
+the dK/dV kernel (head dims up to 128) queries and output gradients, its batch's as an (H, Lq,
+HEAD_DIM) array. A
+tile load reads zeros outside them, which the masked pointer loads read too, so both routes
+compute the same bits, and the loops issue no address arithmetic for those loads. Every other
+launch loads through pointers (cp.async).
 
 Limits: fp16, bf16, fp32 (fp64 runs on the reference and extension backends); head dims
 1..256 (padded to a power of two >= 16, padded lanes masked); any Lq, Lk; H a multiple of
@@ -894,12 +896,12 @@ def _attention_bwd_dkdv_inner(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     OUTPUT: tl.constexpr,  # "dkdv", or "dk" / "dv" alone (one accumulator: large head dims)
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
 ):
     dk, dv = acc
     start_n, cols, col_ok, d_ok = tile
-    Q_b, stride_q_h, stride_q_m = queries
-    DO_b, stride_do_h, stride_do_m = grads
+    Q_b, stride_q_h, stride_q_m = queries[0], queries[1], queries[2]
+    DO_b, stride_do_h, stride_do_m = grads[0], grads[1], grads[2]
     Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride = mask
     Hi_b, Delta_b, R_b = stats
     dropout_p, dropout_threshold, seed = dropout
@@ -923,10 +925,14 @@ def _attention_bwd_dkdv_inner(
         start_m64 = tl.cast(start_m, tl.int64)
         rows = start_m + rows_local
         row_ok = rows < Lq  # all True on full tiles, whose rows are below Lq
-        q = _load_tile(Q_b + off_h * stride_q_h + start_m64 * stride_q_m + rows_local[:, None] * stride_q_m
-                       + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
-                        + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
+        if TMA:  # zeros past Lq, as the masked loads read
+            q = tl.reshape(queries[3].load([off_h.to(tl.int32), start_m, 0]), (BLOCK_M, BLOCK_D))
+            do = tl.reshape(grads[3].load([off_h.to(tl.int32), start_m, 0]), (BLOCK_M, BLOCK_D))
+        else:
+            q = _load_tile(Q_b + off_h * stride_q_h + start_m64 * stride_q_m + rows_local[:, None] * stride_q_m
+                           + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
+            do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
+                            + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
         row_base = off_h * Lq + rows  # int64 (BLOCK_M,): rows of this batch's (H, Lq) statistics
         if ELEMENT_MASKED:  # rows past Lq read hi = +inf, hence P = 0
             row_hi = tl.load(Hi_b + row_base, mask=row_ok, other=float("inf"))
@@ -1003,11 +1009,13 @@ def _attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     OUTPUT: tl.constexpr,  # "dkdv"; or "dk" / "dv": two launches, each with one accumulator
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,  # queries and output gradients through tensor descriptors (_tma_layout)
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     MASK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    tl.static_assert(not TMA or (MASK_KIND == 0 and not HAS_DROPOUT), "TMA: the light class only (_tma_layout)")
 
     cols_local = tl.arange(0, BLOCK_N)
     cols = start_n + cols_local
@@ -1058,8 +1066,14 @@ def _attention_bwd_dkdv_kernel(
     heads = (off_hkv * GROUP, GROUP)
     stats = (Hi + rows_b, Delta + rows_b, R + rows_b)
     tile = (start_n, cols, col_ok, d_ok)
-    queries = (Q_b, stride_q_h, stride_q_m)
-    grads = (DO_b, stride_do_h, stride_do_m)
+    if TMA:  # this batch's (H, Lq, HEAD_DIM) queries and output gradients
+        queries = (Q_b, stride_q_h, stride_q_m, tl.make_tensor_descriptor(
+            Q_b, [H, Lq, HEAD_DIM], [stride_q_h, stride_q_m, 1], [1, BLOCK_M, BLOCK_D]))
+        grads = (DO_b, stride_do_h, stride_do_m, tl.make_tensor_descriptor(
+            DO_b, [H, Lq, HEAD_DIM], [stride_do_h, stride_do_m, 1], [1, BLOCK_M, BLOCK_D]))
+    else:
+        queries = (Q_b, stride_q_h, stride_q_m)
+        grads = (DO_b, stride_do_h, stride_do_m)
     mask = (Mask_b, stride_mask_h, stride_mask_m, stride_mask_n, Codes_col, stride_map_h, row_stride)
     dropout = (dropout_p, dropout_threshold, seed)
     # a kv group with rows of huge scores (module docstring) takes every query tile through
@@ -1072,19 +1086,19 @@ def _attention_bwd_dkdv_kernel(
         (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
         lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION,
+        INPUT_PRECISION, TMA,
     )
     dk, dv = _attention_bwd_dkdv_inner(
         (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
-        INPUT_PRECISION,
+        INPUT_PRECISION, TMA,
     )
     dk, dv = _attention_bwd_dkdv_inner(  # empty where rescale: nothing of it lives across the loops
         (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION,
+        INPUT_PRECISION, TMA,
     )
 
     dk = dk * scale
@@ -1354,7 +1368,7 @@ _FRESH = {
 
 
 # kernels that may make tensor descriptors on the device (TMA), which take global scratch
-_SCRATCH_KERNELS = {_attention_fwd_kernel, _attention_bwd_dq_kernel}
+_SCRATCH_KERNELS = {_attention_fwd_kernel, _attention_bwd_dq_kernel, _attention_bwd_dkdv_kernel}
 
 
 def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
@@ -1369,7 +1383,7 @@ def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
 _FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32}, "FOLD_SCALE",
                         "TMA")
 _DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {"16-bit": BWD_DKDV_CONFIGS, "fp32": BWD_DKDV_CONFIGS_FP32},
-                         "OUTPUT")
+                         "OUTPUT", "TMA")
 _DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp32": BWD_DQ_CONFIGS_FP32},
                        "MASK_GRAD", "TMA")
 
@@ -1395,18 +1409,21 @@ def _check_dtype(q: torch.Tensor) -> None:
 
 _PLAIN = {kernel: Launcher(kernel, fresh, kernel in _SCRATCH_KERNELS) for kernel, fresh in _FRESH.items()}
 
-# Keys and values through tensor descriptors in the forward and dQ (see _tma_layout). The tests turn
-# it on under the interpreter, which runs descriptors too, to check the route's results.
+# The tiles of the attention kernels' loops through tensor descriptors (see _tma_layout). The
+# tests turn it on under the interpreter, which runs descriptors too, to check the route's results.
 TMA_ENABLED = getenv("FASTTRANS_TMA") != "0" and hasattr(tl, "make_tensor_descriptor")
 TMA_UNDER_INTERPRETER = False
+# dK/dV's loop at head dim 256 took more instructions with TMA (Triton 3.6: 74.75 against 61.0)
+DKDV_TMA_MAX_HEAD_DIM = 128
 
 
-def _tma_layout(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> bool:
-    """Whether the forward and dQ kernels load keys and values through tensor descriptors
-    (the Tensor Memory Accelerator): on compute capability 9 and above, in 16 bits, in the
-    light class (no dense mask, no dropout: the builds compile-check holds to the loop
-    goals; with dropout, TMA's loops took more instructions), when every head of k and v
-    starts and every key row steps on a 16-byte boundary, as TMA requires. Otherwise, or
+def _tma_layout(a: torch.Tensor, b: torch.Tensor, spec: Spec) -> bool:
+    """Whether a kernel loads the two (B, heads, L, D) tensors its loop walks (the forward's
+    and dQ's keys and values, dK/dV's queries and output gradients) through tensor
+    descriptors (the Tensor Memory Accelerator): on compute capability 9 and above, in 16
+    bits, in the light class (no dense mask, no dropout: the builds compile-check holds to
+    the loop goals; with dropout, TMA's loops took more instructions), when every head of
+    both starts and every row steps on a 16-byte boundary, as TMA requires. Otherwise, or
     with FASTTRANS_TMA=0, by pointer loads (cp.async). Decided when a call site is made:
     the site's key holds what it depends on."""
     c = spec.constexprs
@@ -1415,10 +1432,11 @@ def _tma_layout(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> bool:
     if _interpreting():
         if not TMA_UNDER_INTERPRETER:
             return False
-    elif not TMA_ENABLED or k.dtype == torch.float32 or _gpu_arch(k.device) != "sm_90":
+    elif not TMA_ENABLED or a.dtype == torch.float32 or _gpu_arch(a.device) != "sm_90":
         return False
-    size = k.element_size()
-    return all(_data_ptr(t) % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3]) for t in (k, v))
+    size = a.element_size()
+    return all(_data_ptr(t) % 16 == 0 and all(stride > 0 and stride * size % 16 == 0 for stride in t.stride()[:3])
+               for t in (a, b))
 
 
 # Launch specs (constexprs and options) are made once per configuration and derived ones
@@ -1864,7 +1882,8 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
                                             TMA=_tma_layout(args[0][1], args[0][2], feats)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                args[1], _spec_with(feats, OUTPUT=output))
+                args[1], _spec_with(feats, OUTPUT=output, TMA=feats.constexprs["BLOCK_D"] <= DKDV_TMA_MAX_HEAD_DIM
+                                    and _tma_layout(args[1][0], args[1][3], feats)))
         for output in dkdv_outputs(feats.constexprs["BLOCK_D"]))
     return dq_launch, dkdv
 
@@ -2022,5 +2041,5 @@ def compile_targets() -> list[dict]:
         fwd=_attention_fwd_kernel, dkdv=_attention_bwd_dkdv_kernel, dq=_attention_bwd_dq_kernel,
         dropout_mask=_attention_dropout_mask_kernel, tile_map=_attention_tile_map_kernel,
         tile_lists=_attention_tile_lists_kernel, list_tile=MAP_TILE.value,
-        lists_max_head_dim=LISTS_MAX_HEAD_DIM.value,
+        lists_max_head_dim=LISTS_MAX_HEAD_DIM.value, dkdv_tma_max_head_dim=DKDV_TMA_MAX_HEAD_DIM,
     )

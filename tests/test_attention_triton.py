@@ -190,15 +190,13 @@ def test_folded_scale_gives_the_bits_of_scaled_scores(kind, device, monkeypatch)
 
 
 def _tma_routes(monkeypatch, tma: bool) -> list:
-    """Allow the forward's and dQ's key/value loads through tensor descriptors (under the
-    interpreter too), or not; returns the list that (stage, route) of each of their launches
-    is appended to."""
+    """Allow the attention kernels' loads through tensor descriptors (under the interpreter
+    too), or not; returns the list that (stage, route) of each launch is appended to."""
     routes = []
     launch = K._launch
 
     def spy(tuned, kernel, stage, grid, args, spec):
-        if stage in ("fwd", "dq"):
-            routes.append((stage, spec.constexprs["TMA"]))
+        routes.append((stage, spec.constexprs["TMA"]))
         return launch(tuned, kernel, stage, grid, args, spec)
 
     monkeypatch.setattr(K, "_launch", spy)
@@ -212,10 +210,10 @@ def _tma_routes(monkeypatch, tma: bool) -> list:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["none", "causal_br", "causal_neg", "key_lengths+causal", "key_lengths"])
 def test_tma_route_gives_the_bits_of_pointer_loads(kind, device, monkeypatch):
-    """Keys and values loaded through tensor descriptors (zeros outside the (kv_len, D)
-    matrix) give the output and every gradient of pointer loads bit for bit, with a padded
-    head dim, grouped heads, (B, L, H, D) views, a partial last key tile and a key length of
-    0; and match the reference (fp16: the route's dtypes on a GPU, of compute capability 9
+    """Tiles loaded through tensor descriptors (zeros outside the matrix: keys past kv_len,
+    query rows past Lq) give the output and every gradient of pointer loads bit for bit, with
+    a padded head dim, grouped heads, (B, L, H, D) views, partial last tiles and a key length
+    of 0; and match the reference (fp16: the route's dtypes on a GPU, of compute capability 9
     or more). Dense masks and dropout (the heavy class) keep pointer loads."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9 or more")
@@ -230,12 +228,12 @@ def test_tma_route_gives_the_bits_of_pointer_loads(kind, device, monkeypatch):
     for tma in (True, False):
         routes = _tma_routes(monkeypatch, tma)
         results.append(_run(_triton, q, k, v, dout, kw, cast=torch.float16))
-        assert routes == [("fwd", tma), ("dq", tma)], routes
+        assert routes == [("fwd", tma), ("dq", tma), ("dkdv", tma)], routes
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
     routes = _tma_routes(monkeypatch, True)
     _check(q, k, v, kw, dtype=torch.float16, dout=dout)
-    assert routes == [("fwd", True), ("dq", True)], routes
+    assert routes == [("fwd", True), ("dq", True), ("dkdv", True)], routes
     routes = _tma_routes(monkeypatch, True)
     _triton(q.half(), k.half(), v.half(), dropout_p=0.3, **kw)
     kw_mask = _masks("bool", B, H, Lq, Lk, device)
@@ -255,7 +253,7 @@ def test_tma_route_needs_16_byte_rows(device, monkeypatch):
     q, v = torch.randn(1, 2, 19, 32, device=device), torch.randn(1, 2, 23, 32, device=device)
     out, _ = K.attention_fwd(q, k, v, None, None, False, 0, 0.0, 32**-0.5, 0)
     torch.testing.assert_close(out, reference.attention(q, k, v))
-    assert routes == [("fwd", False), ("dq", False), ("fwd", False)], routes
+    assert routes == [("fwd", False), ("dq", False), ("dkdv", False), ("fwd", False)], routes
 
 
 @pytest.mark.parametrize("device", DEVICES)
