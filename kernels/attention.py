@@ -560,6 +560,23 @@ def _query_block_keys(KeyLengths, off_b, Lk, start_m, Lq, causal_offset, BLOCK_M
 
 
 @triton.jit
+def _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """(keys, values) of one (batch, kv head), as the key loops take them: (base, row stride),
+    and with TMA a descriptor of the (kv_len, HEAD_DIM) matrix, whose tile loads read zeros
+    outside it as the masked loads do (128 bytes of global scratch each per program)."""
+    if TMA:
+        keys = (K_head, stride_k_n, tl.make_tensor_descriptor(
+            K_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_k_n, 1], [BLOCK_N, BLOCK_D]))
+        values = (V_head, stride_v_n, tl.make_tensor_descriptor(
+            V_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_v_n, 1], [BLOCK_N, BLOCK_D]))
+    else:
+        keys = (K_head, stride_k_n)
+        values = (V_head, stride_v_n)
+    return keys, values
+
+
+@triton.jit
 def _key_tile_scores(
     q, tile, keys, mask, flags,  # as _attention_fwd_inner's; flags: the tile's (live, dense), _tile_flags
     start_n, kv_len, causal_offset, qk_scale,  # the key tile's first key; keys < kv_len exist
@@ -743,16 +760,7 @@ def _attention_fwd_kernel(
     qk_scale = scale * LOG2E
 
     tile = (offs_m, row_ok, d_ok)
-    if TMA:
-        # this head's keys and values as (kv_len, HEAD_DIM) matrices: a tile load reads zeros
-        # outside them, as the masked loads do; 128 bytes of global scratch each per program
-        keys = (K_head, stride_k_n, tl.make_tensor_descriptor(
-            K_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_k_n, 1], [BLOCK_N, BLOCK_D]))
-        values = (V_head, stride_v_n, tl.make_tensor_descriptor(
-            V_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_v_n, 1], [BLOCK_N, BLOCK_D]))
-    else:
-        keys = (K_head, stride_k_n)
-        values = (V_head, stride_v_n)
+    keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dropout = (dropout_p, dropout_threshold, seed)
     listed_end = 0
@@ -1279,13 +1287,7 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     query_rows = (q, do, row_hi, delta, r)
-    if TMA:  # as the forward's
-        keys = (K_head, stride_k_n, tl.make_tensor_descriptor(
-            K_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_k_n, 1], [BLOCK_N, BLOCK_D]))
-        values = (V_head, stride_v_n, tl.make_tensor_descriptor(
-            V_head, [tl.maximum(kv_len, 1), HEAD_DIM], [stride_v_n, 1], [BLOCK_N, BLOCK_D]))
-    else:
-        values = (V_head, stride_v_n)
+    keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed)
