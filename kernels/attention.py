@@ -1415,7 +1415,8 @@ _PLAIN = {kernel: Launcher(kernel, fresh, kernel in _SCRATCH_KERNELS) for kernel
 # tests turn it on under the interpreter, which runs descriptors too, to check the route's results.
 TMA_ENABLED = getenv("FASTTRANS_TMA") != "0" and hasattr(tl, "make_tensor_descriptor")
 TMA_UNDER_INTERPRETER = False
-# dK/dV's loop at head dim 256 took more instructions with TMA (Triton 3.6: 74.75 against 61.0)
+# head dims up to which dK/dV loads through TMA: at 256 its loop took more instructions with TMA
+# than by pointers (compile-check)
 DKDV_TMA_MAX_HEAD_DIM = 128
 
 
