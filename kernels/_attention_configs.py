@@ -38,7 +38,7 @@ def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> 
 # the query tile in the forward and dQ kernels, the key tile in the dK/dV kernel (which
 # computes transposed for that reason).
 FWD_CONFIGS = {
-    # sm_90 16-bit entries load keys and values through TMA where the layout allows
+    # sm_90 16-bit light entries load their loop's tiles through TMA where the layout allows
     # (attention._tma_layout) and by cp.async elsewhere: compile-check builds both
     "sm_90": {  # light 16-bit entries: the ones with the fewest SASS instructions per score in the loop
         (64, "light"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 2)],

@@ -97,11 +97,10 @@ accumulators do not fit in registers next to the rest).
 Loads: on compute capability >= 9, 16-bit launches of the light class read the tiles of their
 loops through tensor descriptors (TMA) where the layout allows (_tma_layout): the forward and
 dQ kernels keys and values, each program's (batch, kv head) as a (kv_len, HEAD_DIM) matrix;
-the dK/dV kernel (head dims up to 128) queries and output gradients, its batch's as an (H, Lq,
-HEAD_DIM) array. A
-tile load reads zeros outside them, which the masked pointer loads read too, so both routes
-compute the same bits, and the loops issue no address arithmetic for those loads. Every other
-launch loads through pointers (cp.async).
+the dK/dV kernel (head dims up to 128) queries and output gradients, its batch's as an
+(H, Lq, HEAD_DIM) array. A tile load reads zeros outside them, which the masked pointer loads
+read too, so both routes compute the same bits, and the loops issue no address arithmetic for
+those loads. Every other launch loads through pointers (cp.async).
 
 Limits: fp16, bf16, fp32 (fp64 runs on the reference and extension backends); head dims
 1..256 (padded to a power of two >= 16, padded lanes masked); any Lq, Lk; H a multiple of
@@ -1420,17 +1419,17 @@ TMA_UNDER_INTERPRETER = False
 DKDV_TMA_MAX_HEAD_DIM = 128
 
 
-def _tma_layout(a: torch.Tensor, b: torch.Tensor, spec: Spec) -> bool:
+def _tma_layout(a: torch.Tensor, b: torch.Tensor, spec: Spec, max_head_dim: int = 256) -> bool:
     """Whether a kernel loads the two (B, heads, L, D) tensors its loop walks (the forward's
     and dQ's keys and values, dK/dV's queries and output gradients) through tensor
     descriptors (the Tensor Memory Accelerator): on compute capability 9 and above, in 16
     bits, in the light class (no dense mask, no dropout: the builds compile-check holds to
-    the loop goals; with dropout, TMA's loops took more instructions), when every head of
-    both starts and every row steps on a 16-byte boundary, as TMA requires. Otherwise, or
-    with FASTTRANS_TMA=0, by pointer loads (cp.async). Decided when a call site is made:
-    the site's key holds what it depends on."""
+    the loop goals; with dropout, TMA's loops took more instructions), for padded head dims
+    up to ``max_head_dim``, when every head of both starts and every row steps on a 16-byte
+    boundary, as TMA requires. Otherwise, or with FASTTRANS_TMA=0, by pointer loads
+    (cp.async). Decided when a call site is made: the site's key holds what it depends on."""
     c = spec.constexprs
-    if _weight(c["MASK_KIND"], c["HAS_DROPOUT"]) != "light":
+    if _weight(c["MASK_KIND"], c["HAS_DROPOUT"]) != "light" or c["BLOCK_D"] > max_head_dim:
         return False
     if _interpreting():
         if not TMA_UNDER_INTERPRETER:
@@ -1885,8 +1884,8 @@ def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
                                             TMA=_tma_layout(args[0][1], args[0][2], feats)))
     dkdv = tuple(
         _launch(_DKDV_TUNED, _attention_bwd_dkdv_kernel, "dkdv", lambda meta: (cdiv(Lk, meta["BLOCK_N"]), Hkv, B),
-                args[1], _spec_with(feats, OUTPUT=output, TMA=feats.constexprs["BLOCK_D"] <= DKDV_TMA_MAX_HEAD_DIM
-                                    and _tma_layout(args[1][0], args[1][3], feats)))
+                args[1], _spec_with(feats, OUTPUT=output,
+                                    TMA=_tma_layout(args[1][0], args[1][3], feats, DKDV_TMA_MAX_HEAD_DIM)))
         for output in dkdv_outputs(feats.constexprs["BLOCK_D"]))
     return dq_launch, dkdv
 
