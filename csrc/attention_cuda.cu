@@ -131,7 +131,7 @@ __device__ __forceinline__ float mask_add(const AttentionArgs& a, int64_t b, int
 // keep(b, h, i, j) / (1 - p), or 1 without dropout
 __device__ __forceinline__ float dropout_factor(const AttentionArgs& a, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!a.dropout) return 1.0f;
-  return dropout_keep(a.seed, a.dropout_threshold, b, h, i, j) ? a.dropout_scale : 0.0f;
+  return attention_dropout_keep(a.seed, a.dropout_threshold, b, h, i, j) ? a.dropout_scale : 0.0f;
 }
 
 // Rows [i0, i0 + n) of a strided (B, H, L, D) tensor into shared memory as fp32 (ld = ld_s),
@@ -531,19 +531,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
   }
 }
 
-// keep[b, h, i, 4g .. 4g+3] from one Philox call per thread
+// keep[b, h, i, j], one element per thread (a debug entry point)
 __global__ void attention_dropout_mask_kernel(int64_t H, int64_t Lq, int64_t Lk, int64_t rows, uint64_t seed,
                                               uint32_t threshold, bool* __restrict__ keep) {
-  const int64_t groups = (Lk + 3) / 4;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= rows * groups) return;
-  const int64_t row = idx / groups, g = idx % groups;
+  if (idx >= rows * Lk) return;
+  const int64_t row = idx / Lk, j = idx % Lk;
   const int64_t b = row / (H * Lq), h = (row / Lq) % H, i = row % Lq;
-  const Philox4 r = dropout_words(seed, b, h, i, g);
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    if (4 * g + t < Lk) keep[row * Lk + 4 * g + t] = dropout_keep_word(r.w[t], threshold);
-  }
+  keep[idx] = attention_dropout_keep(seed, threshold, b, h, i, j);
 }
 
 // --------------------------------------------------------------------------------------
@@ -640,7 +635,7 @@ const char* attention_bwd_cuda(const AttentionArgs& a, const void* dout, const v
 
 const char* attention_dropout_mask_cuda(int64_t B, int64_t H, int64_t Lq, int64_t Lk, uint64_t seed,
                                         uint32_t threshold, bool* keep, cudaStream_t stream) {
-  const int64_t rows = B * H * Lq, total = rows * ((Lk + 3) / 4);
+  const int64_t rows = B * H * Lq, total = rows * Lk;
   if (total == 0) return nullptr;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;

@@ -632,24 +632,24 @@ inline Dropout make_dropout(double p, int64_t seed) {
   Dropout d;
   d.enabled = p > 0.0;
   d.seed = static_cast<uint64_t>(seed);
-  d.threshold = dropout_threshold(p);
+  d.threshold = attention_dropout_threshold(p);
   d.inv_keep = d.enabled ? 1.0 / (1.0 - p) : 1.0;
   return d;
 }
 
-// out[c] = keep(b, h, i, j0 + c) ? 1 : 0. The row is generated 64 keys (16 counters) at a
-// time from the group of four that holds j0; bits before j0 are shifted out.
+// out[c] = keep(b, h, i, j0 + c) ? 1 : 0. The row is generated 64 keys at a time from the
+// 16-key block that holds j0; bits before j0 are shifted out.
 template <typename T>
 inline void dropout_keep_row(const Dropout& d, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
   const int64_t end = j0 + n;
   for (int64_t j = j0; j < end;) {
-    const int64_t g = j >> 2;
-    const int64_t skip = j - 4 * g;  // 0..3 keys of the first group lie before j
+    const int64_t c = j >> 4;
+    const int64_t skip = j - 16 * c;  // 0..15 keys of the first block lie before j
     const int64_t count = std::min<int64_t>(64 - skip, end - j);
-    const uint64_t bits = keep_bits16(static_cast<uint32_t>(g), static_cast<uint32_t>(i), static_cast<uint32_t>(h),
-                                      static_cast<uint32_t>(b), d.seed, d.threshold) >> skip;
+    const uint64_t bits = attention_keep_bits64(i, static_cast<uint32_t>(h), static_cast<uint32_t>(b), c, d.seed,
+                                                d.threshold) >> skip;
     T* o = out + (j - j0);
-    for (int64_t c = 0; c < count; ++c) o[c] = ((bits >> c) & 1u) ? T(1) : T(0);
+    for (int64_t k = 0; k < count; ++k) o[k] = ((bits >> k) & 1u) ? T(1) : T(0);
     j += count;
   }
 }

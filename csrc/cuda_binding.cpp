@@ -132,7 +132,7 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
   a.dropout = dropout_p > 0.0;
   a.seed = static_cast<uint64_t>(seed);
-  a.dropout_threshold = dropout_threshold(dropout_p);
+  a.dropout_threshold = attention_dropout_threshold(dropout_p);
   a.dropout_scale = a.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.0f;
   return in;
 }
@@ -199,7 +199,7 @@ at::Tensor attention_dropout_mask(const at::Tensor& q, const at::Tensor& k, doub
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor keep = at::empty({q.size(0), q.size(1), q.size(2), k.size(2)}, q.options().dtype(at::kBool));
   check_launch(kern::attention_dropout_mask_cuda(q.size(0), q.size(1), q.size(2), k.size(2),
-                                                 static_cast<uint64_t>(seed), dropout_threshold(dropout_p),
+                                                 static_cast<uint64_t>(seed), attention_dropout_threshold(dropout_p),
                                                  keep.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream().stream()),
                "attention_dropout_mask_extension");
   return keep;

@@ -13,3 +13,11 @@ def dropout_threshold(p: float) -> int:
     (word >> 8) >= threshold, P(keep) = 1 - p."""
     t = float(p) * 16777216.0 + 0.5  # the same double operations as the C++ code
     return 16777216 if t >= 16777216.0 else int(t)
+
+
+def attention_dropout_threshold(p: float) -> int:
+    """min(round(p * 2^16), 2^16 - 1), as csrc/philox.h's attention_dropout_threshold: a
+    score is kept when its 16-bit draw is >= threshold, P(keep) = 1 - threshold / 2^16 (at
+    least 2^-16 for p < 1; p = 1 never reaches the kernels)."""
+    t = float(p) * 65536.0 + 0.5  # the same double operations as the C++ code
+    return 65535 if t >= 65535.0 else int(t)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .dropout_spec import FLAT_DOMAIN, dropout_threshold  # noqa: F401  (the shared definition)
+from .dropout_spec import FLAT_DOMAIN, attention_dropout_threshold, dropout_threshold  # noqa: F401
 
 __all__ = [
     "attention",
@@ -264,15 +264,22 @@ def _keep(words: tuple[torch.Tensor, ...], n: int, p: float) -> torch.Tensor:
 
 def attention_dropout_keep(seed: int, p: float, B: int, H: int, Lq: int, Lk: int,
                            device: torch.device | str | None = None) -> torch.Tensor:
-    """The (B, H, Lq, Lk) bool keep-mask of attention dropout: keep(b, h, i, j) is word j % 4
-    of Philox4x32-10 at the counter (j // 4, i, h, b), the mask every backend draws."""
+    """The (B, H, Lq, Lk) bool keep-mask of attention dropout, the mask every backend draws
+    (csrc/philox.h): Philox4x32-10 at the counter (8 (i // 16) + i % 8, h, b, 4 (j // 16) +
+    j % 8 // 2) decides rows (i, i + 8) x keys (j, j + 1, j + 8, j + 9) of a 16 x 16 block;
+    score (i, j) takes the 16-bit half j % 2 of word 2 (i // 8 % 2) + j // 8 % 2."""
     def index(n, dim):
         shape = [1, 1, 1, 1]
         shape[dim] = n
         return torch.arange(n, dtype=torch.int64, device=device).view(shape)
 
-    words = philox4x32_10(index((Lk + 3) // 4, 3), index(Lq, 2), index(H, 1), index(B, 0), seed)
-    return _keep(words, Lk, p)
+    # one call per counter, as the kernels make: (B, H, row groups, key groups, word)
+    words = torch.stack(philox4x32_10(index(8 * -(-Lq // 16), 2), index(H, 1), index(B, 0),
+                                      index(4 * -(-Lk // 16), 3), seed), dim=-1)
+    i = torch.arange(Lq, dtype=torch.int64, device=device)[:, None]
+    j = torch.arange(Lk, dtype=torch.int64, device=device)[None, :]
+    word = words[:, :, 8 * (i // 16) + i % 8, 4 * (j // 16) + j % 8 // 2, 2 * (i // 8 % 2) + j // 8 % 2]
+    return ((word >> (16 * (j % 2))) & 0xFFFF) >= attention_dropout_threshold(p)
 
 
 def dropout_keep(seed: int, p: float, shape, device: torch.device | str | None = None) -> torch.Tensor:

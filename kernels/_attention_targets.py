@@ -69,8 +69,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
             constexprs["MASK_GRAD"] = heavy
         if "LIST_TILE" in kernel.arg_names:
             constexprs["LIST_TILE"] = list_tile
-        if "FOLD_SCALE" in kernel.arg_names:  # a positive scale, without dropout
-            constexprs["FOLD_SCALE"] = not heavy
+        if "FOLD_SCALE" in kernel.arg_names:  # a positive scale
+            constexprs["FOLD_SCALE"] = True
         if "TMA" in kernel.arg_names:
             constexprs["TMA"] = tma
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
@@ -111,7 +111,7 @@ def _feature_alone(target: dict, feature: str) -> dict:
     or for none ("plain", the count the other two are compared with), so that compile-check
     counts that feature's own cost in the loop; built, not shipped apart."""
     c = dict(target["constexprs"], IS_CAUSAL=False, HAS_KEY_LENGTHS=False, HAS_DROPOUT=feature == "dropout",
-             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE, FOLD_SCALE=feature != "dropout")
+             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE, FOLD_SCALE=True)
     signature = dict(target["signature"])
     if feature == "bool":
         signature["Mask"] = "*u8"

@@ -9,11 +9,11 @@ Forward, one query tile of BLOCK_M rows against key tiles of BLOCK_N columns:
     m_j  = max(m_{j-1}, rowmax(S_j))             online softmax, fp32 accumulators
     P_j  = exp(S_j - m_j)
     l_j  = l_{j-1} exp(m_{j-1} - m_j) + rowsum(P_j)
-    A_j  = A_{j-1} exp(m_{j-1} - m_j) + (P_j * Z_j / (1 - p)) V_j    Z: dropout keep-mask
-    O    = A / l,  lse = m + log(l)               saved in fp32 for the backward
+    A_j  = A_{j-1} exp(m_{j-1} - m_j) + (P_j * Z_j) V_j    Z: dropout keep-mask
+    O    = A / ((1 - p) l),  lse = m + log(l)     saved in fp32 for the backward
 
-In the light class (no dense mask, no dropout) with scale > 0, FOLD_SCALE keeps the scores
-unscaled: m_j takes the row maximum of Q K^T times scale (the same bits, as rounding is
+With scale > 0, FOLD_SCALE keeps the scores unscaled (except in loops that add a float
+mask, which is added to scaled scores): m_j takes the row maximum of Q K^T times scale (the same bits, as rounding is
 monotonic) and the scale enters exp2's argument in its fused multiply-add, one multiply
 per score fewer in the loop.
 
@@ -47,12 +47,13 @@ EXACT_ROWS rows. The dK/dV kernel sums over rows, so it scales P itself: a kv gr
 flag takes every query tile through its loop with per-element masks, which multiplies P by
 r (the same bits where r = 1); the loop over full tiles, the common path, does not.
 
-Dropout keep(b, h, i, j) = (word >> 8) >= round(p 2^24), with word j % 4 of Philox4x32-10
-keyed by the seed at the counter (j // 4, i, h, b): csrc/philox.h's mask, so the Triton and
-extension backends drop the same scores for a seed. It is a pure function of the position,
+Dropout: keep(b, h, i, j) is a 16-bit half of a Philox4x32-10 word keyed by the seed,
+compared with round(p 2^16) (csrc/philox.h defines it), so the Triton and extension
+backends drop the same scores for a seed. It is a pure function of the position,
 regenerated identically by the forward, both backward kernels and the debug entry point
-``attention_dropout_mask``, each with one Philox call per four keys of a tile (its four
-words are the four keys' draws).
+``attention_dropout_mask``, with one Philox call per eight scores: rows (i, i + 8) x keys
+(j, j + 1, j + 8, j + 9) of a 16 x 16 block, the scores one thread holds in the
+tensor-core accumulator (_dropout_keep_tile).
 
 Mask specialisation: the host classifies the masks into constexprs (MASK_KIND none / bool
 / float, HAS_KEY_LENGTHS, IS_CAUSAL, HAS_DROPOUT), so each combination compiles to its own
@@ -134,7 +135,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttrans.dropout_spec import dropout_threshold
+from fasttrans.dropout_spec import attention_dropout_threshold
 from fasttrans.environ import getenv
 
 from . import _attention_targets, capability, cdiv, device_index, expansion, next_power_of_2, on_device
@@ -237,32 +238,51 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr
 
 
 @triton.jit
-def _dropout_keep_tile(seed, threshold, b, h, offs_m, start_n, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """keep(b, h, i, j) of query rows i = offs_m (BLOCK_M,) and the key tile's columns j =
-    start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4): (BLOCK_M, BLOCK_N), or
-    (BLOCK_N, BLOCK_M) when TRANSPOSED. keep is word j % 4 of Philox4x32-10 with key seed and
-    counter (j // 4, i, h, b), kept when (word >> 8) >= threshold = round(p 2^24): csrc/
-    philox.h's dropout_keep, so the extension draws the same mask bit for bit. One Philox
-    call gives the four keys 4g .. 4g + 3, its words interleaved into the tile's columns."""
-    tl.static_assert(BLOCK_N % 4 == 0, "key tiles hold whole groups of four keys")
-    groups = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
-    i = offs_m.to(tl.uint32)
+def _philox(seed, c0, c1, c2, c3):
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        pa = c0.to(tl.uint64) * 0xD2511F53
+        pb = c2.to(tl.uint64) * 0xCD9E8D57
+        c0, c2 = (pb >> 32).to(tl.uint32) ^ c1 ^ k0, (pa >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1, c3 = pb.to(tl.uint32), pa.to(tl.uint32)
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _dropout_keep_tile(seed, threshold, b, h, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TRANSPOSED: tl.constexpr):
+    """keep(b, h, i, j) of query rows i = start_m .. start_m + BLOCK_M - 1 and keys j =
+    start_n .. start_n + BLOCK_N - 1 (both starts multiples of 16): (BLOCK_M, BLOCK_N), or
+    (BLOCK_N, BLOCK_M) when TRANSPOSED. csrc/philox.h's attention mask, so the extension
+    draws the same mask bit for bit: one Philox4x32-10 call decides the eight scores (i, i +
+    8) x (j, j + 1, j + 8, j + 9) of a 16 x 16 block, by the 16-bit halves of its four words.
+    Those eight lie in one thread of the tensor-core accumulator, so the reshapes below move
+    no data in the forward and dQ (the transposed tile of dK/dV goes through shared memory)."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles of whole 16 x 16 blocks")
+    gi = (start_m // 2 + tl.arange(0, BLOCK_M // 2)).to(tl.uint32)[:, None]  # 8 (i // 16) + i % 8
+    gj = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)[None, :]  # 4 (j // 16) + j % 8 // 2
     if TRANSPOSED:
-        g, i = groups[:, None], i[None, :]
-    else:
-        i, g = i[:, None], groups[None, :]
-    zero = i * 0 + g * 0  # the broadcast shape
-    w0, w1, w2, w3 = tl.philox(seed, zero + g, zero + i, zero + h.to(tl.uint32), zero + b.to(tl.uint32))
-    keep0 = (w0 >> 8).to(tl.int32) >= threshold
-    keep1 = (w1 >> 8).to(tl.int32) >= threshold
-    keep2 = (w2 >> 8).to(tl.int32) >= threshold
-    keep3 = (w3 >> 8).to(tl.int32) >= threshold
-    # join stacks on a new last axis: [..., c, a] is word 2c + a, so the flat order is 0, 1, 2, 3
-    keep = tl.join(tl.join(keep0, keep2), tl.join(keep1, keep3))
-    if TRANSPOSED:  # (N/4, M, 2, 2) -> (N/4, 2, 2, M) -> (N, M)
-        keep = tl.reshape(tl.permute(keep, (0, 2, 3, 1)), (BLOCK_N, offs_m.shape[0]))
-    else:
-        keep = tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+        gi, gj = tl.trans(gi), tl.trans(gj)
+    zero = gi * 0 + gj * 0  # the broadcast shape
+    # the key group last: the first two rounds are then mostly the same on every key tile
+    w0, w1, w2, w3 = tl.philox(seed, zero + gi, zero + h.to(tl.uint32), zero + b.to(tl.uint32), zero + gj)
+    # half >= threshold, for both halves without extracting them: hi >= t <=> w >= t << 16
+    t = threshold.to(tl.uint32) << 16
+    x0 = tl.join((w0 << 16) >= t, w0 >= t)  # [..., j % 2]
+    x1 = tl.join((w1 << 16) >= t, w1 >= t)
+    x2 = tl.join((w2 << 16) >= t, w2 >= t)
+    x3 = tl.join((w3 << 16) >= t, w3 >= t)
+    # word 2 (i // 8 % 2) + j // 8 % 2: (i/2 groups, j/4 groups, j % 2, j // 8 % 2, i // 8 % 2)
+    keep = tl.join(tl.join(x0, x1), tl.join(x2, x3))
+    if TRANSPOSED:  # (j/4, i/2, ...) -> (j // 16, j // 8 % 2, j % 8 // 2, j % 2, i // 16, i // 8 % 2, i % 8)
+        keep = tl.reshape(keep, (BLOCK_N // 16, 4, BLOCK_M // 16, 8, 2, 2, 2))
+        keep = tl.reshape(tl.permute(keep, (0, 5, 1, 4, 2, 6, 3)), (BLOCK_N, BLOCK_M))
+    else:  # -> (i // 16, i // 8 % 2, i % 8, j // 16, j // 8 % 2, j % 8 // 2, j % 2)
+        keep = tl.reshape(keep, (BLOCK_M // 16, 8, BLOCK_N // 16, 4, 2, 2, 2))
+        keep = tl.reshape(tl.permute(keep, (0, 6, 1, 2, 5, 3, 4)), (BLOCK_M, BLOCK_N))
     return keep
 
 
@@ -653,7 +673,7 @@ def _attention_fwd_inner(
     keys, values,  # (K_head, stride_k_n[, descriptor with TMA]), likewise V: this (batch, kv head) at key 0
     mask,  # (Mask_rows, stride_mask_m, stride_mask_n, Codes_row): the dense mask at (batch, head,
     #        tile row 0, key 0), the tile map's codes of (batch, head, this query tile, key tile 0)
-    dropout,  # (dropout_p, dropout_threshold, seed)
+    dropout,  # (dropout_p, dropout_threshold, seed, the query tile's first row)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
     index,  # with LISTED: [lo, hi) counts BLOCK_N tiles of the LIST_TILE tiles listed here
@@ -666,7 +686,7 @@ def _attention_fwd_inner(
     acc, l_i, m_i = state
     offs_m, _, d_ok = tile
     V_head, stride_v_n = values[0], values[1]
-    dropout_p, dropout_threshold, seed = dropout
+    dropout_p, dropout_threshold, seed, start_m = dropout
     # Tile pointers are rebuilt each iteration from scalar bases: a loop-carried pointer tensor
     # would hold a 64-bit address per element in registers.
     offs_n = tl.arange(0, BLOCK_N)
@@ -685,8 +705,11 @@ def _attention_fwd_inner(
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
-            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, False)
+            # 1 / (1 - p) is applied to the output. A zero the compiler cannot fold keeps this
+            # select on fp32 scores: past a constant 0 it moves the select behind the 16-bit
+            # packing, a byte permute per score more.
+            p = tl.where(keep, p, dropout_p * 0.0)
         if TMA:
             v = values[2].load([start_n, 0])
         else:
@@ -761,7 +784,7 @@ def _attention_fwd_kernel(
     tile = (offs_m, row_ok, d_ok)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
-    dropout = (dropout_p, dropout_threshold, seed)
+    dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
     # a float mask is added to scaled scores: unscaled ones only where no mask is read
     FOLD_MASKED: tl.constexpr = FOLD_SCALE and MASK_KIND != 2
@@ -799,6 +822,8 @@ def _attention_fwd_kernel(
 
     # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
     empty = l_i == 0.0
+    if HAS_DROPOUT:  # the kept weights' 1 / (1 - p), once per output element
+        acc = acc * (1.0 / (1.0 - dropout_p))
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_ptrs = Out + off_b * stride_o_b + off_h * stride_o_h + start_m64 * stride_o_m \
@@ -970,7 +995,7 @@ def _attention_bwd_dkdv_inner(
             r = tl.load(R_b + row_base, mask=tl.where(rescale, row_ok, False), other=1.0)
             p_t = tl.where(row_ok[None, :], p_t * r[None, :], 0.0)
         if HAS_DROPOUT:
-            keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, rows, start_n, BLOCK_N, True)
+            keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
         if OUTPUT != "dk":
             pd_t = p_t
@@ -1128,7 +1153,7 @@ def _attention_bwd_dq_inner(
     keys, values,  # (K_head, stride_k_n), (V_head, stride_v_n): this (batch, kv head) at key 0
     mask,  # as _attention_fwd_inner's
     dmask,  # (DMask_rows, Lk): its gradient at the same place, contiguous rows of Lk keys
-    dropout,  # (dropout_p, dropout_threshold, seed)
+    dropout,  # (dropout_p, dropout_threshold, seed, the query tile's first row)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
     index,  # as _attention_fwd_inner's
@@ -1143,7 +1168,7 @@ def _attention_bwd_dq_inner(
     K_head, stride_k_n = keys[0], keys[1]
     V_head, stride_v_n = values[0], values[1]
     DMask_rows, Lk = dmask
-    dropout_p, dropout_threshold, seed = dropout
+    dropout_p, dropout_threshold, seed, start_m = dropout
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
@@ -1172,7 +1197,7 @@ def _attention_bwd_dq_inner(
         p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
+            keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, False)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if MASK_GRAD:
@@ -1289,7 +1314,7 @@ def _attention_bwd_dq_kernel(
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
     dmask = (DMask_rows, Lk)
-    dropout = (dropout_p, dropout_threshold, seed)
+    dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
     if MASK_KIND != 0 and BLOCK_D <= LISTS_MAX_HEAD_DIM:  # as the forward's (the float mask's gradient is stored
         # on full tiles too)
@@ -1349,7 +1374,7 @@ def _attention_dropout_mask_kernel(
     out_rows = ((off_b * H + off_h) * Lq + offs_m) * Lk
     for start_n in range(0, Lk, BLOCK_N):
         cols = start_n + offs_n
-        keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, offs_m, start_n, BLOCK_N, False)
+        keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, False)
         tl.store(Keep + out_rows[:, None] + cols[None, :], keep.to(tl.uint8),
                  mask=row_ok[:, None] & (cols < Lk)[None, :])
 
@@ -1775,7 +1800,7 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
         geometry = None if attn_mask is None else _map_geometry(kind, mstride, B, H, Lq, Lk)
         ints = (*k.stride()[:3], *v.stride()[:3], H * Lq * D, Lq * D, D, *mstride,
                 *_map_ints(geometry), H, H // Hkv, Lq)
-        tail = (dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
+        tail = (attention_dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launch, ints, tail, geometry = site
         if dropout_p > 0.0:
@@ -1789,10 +1814,8 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             launch(args)
         else:
             spec = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
-            # the row maximum before the scale, which must be positive to commute with it; in
-            # the light class only, whose worst case compile-check builds with it
-            c = spec.constexprs
-            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and not c["HAS_DROPOUT"], LIST_TILE=_list_tile(),
+            # the row maximum before the scale, which must be positive to commute with it
+            spec = _spec_with(spec, FOLD_SCALE=scale > 0, LIST_TILE=_list_tile(),
                               TMA=_tma_layout(k, v, spec))
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                              args, spec)
@@ -1839,7 +1862,7 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
         ds = dout.stride()[:3]
         ints = ((*qs, *ks, *vs, *ds, *out.stride()[:3], *contiguous, *mstride, *sizes),
                 (*qs, *ks, *vs, *ds, *kv_contiguous, *kv_contiguous, *mstride[:8], *sizes))
-        tail = (float(dropout_p), dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
+        tail = (float(dropout_p), attention_dropout_threshold(dropout_p), int(seed), _bucket(Lq), _bucket(Lk))
     else:
         launches, ints, tail, like, geometry = site
         if dropout_p > 0.0:
@@ -1900,7 +1923,7 @@ def attention_dropout_mask(q, k, dropout_p, seed):
     cfg = INTERPRETER_CONFIGS["dropout_mask"] if _interpreting() else DROPOUT_MASK_CONFIG
     with on_device(q):
         _run(_attention_dropout_mask_kernel, cfg, lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
-             (keep, H, Lq, Lk, dropout_threshold(dropout_p), int(seed)), _NO_CONSTEXPRS)
+             (keep, H, Lq, Lk, attention_dropout_threshold(dropout_p), int(seed)), _NO_CONSTEXPRS)
     return keep.view(torch.bool)
 
 

@@ -208,13 +208,16 @@ def philox_words(seed: int, g: np.ndarray) -> np.ndarray:
 
 
 def attention_keep(seed: int, p: float, B: int, H: int, Lq: int, Lk: int) -> torch.Tensor:
-    """The attention dropout mask (csrc/philox.h): keep(b, h, i, j) is word j % 4 of the
-    counter (j // 4, i, h, b), compared as (word >> 8) >= round(p * 2**24). (B, H, Lq, Lk) bool."""
-    threshold = min(int(p * 2**24 + 0.5), 2**24)
+    """The attention dropout mask (csrc/philox.h), one score at a time: the counter (8 (i //
+    16) + i % 8, h, b, 4 (j // 16) + j % 8 // 2), word 2 (i // 8 % 2) + j // 8 % 2, its 16-bit
+    half j % 2, kept when >= min(round(p * 2**16), 2**16 - 1). (B, H, Lq, Lk) bool."""
+    threshold = min(int(p * 2**16 + 0.5), 2**16 - 1)
     b, h, i, j = np.meshgrid(*(np.arange(n, dtype=np.uint64) for n in (B, H, Lq, Lk)), indexing="ij")
-    words = philox4x32_10((j >> np.uint64(2), i, h, b), seed)
-    word = np.take_along_axis(words, (j & np.uint64(3)).astype(np.int64)[..., None], axis=-1)[..., 0]
-    return torch.from_numpy((word >> np.uint64(8)) >= threshold)
+    u = np.uint64
+    words = philox4x32_10((u(8) * (i // u(16)) + i % u(8), h, b, u(4) * (j // u(16)) + j % u(8) // u(2)), seed)
+    index = (u(2) * (i // u(8) % u(2)) + j // u(8) % u(2)).astype(np.int64)
+    word = np.take_along_axis(words, index[..., None], axis=-1)[..., 0]
+    return torch.from_numpy(((word >> (u(16) * (j % u(2)))) & u(0xFFFF)) >= threshold)
 
 
 def philox_keep(seed: int, p: float, numel: int, start: int = 0) -> torch.Tensor:

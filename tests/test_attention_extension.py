@@ -433,14 +433,15 @@ def test_philox_known_answers():
 @pytest.mark.parametrize("Lk", [11, 150])
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_mask_follows_its_definition(ext, device, Lk):
-    """keep(b, h, i, j) = (philox((j//4, i, h, b), seed)[j%4] >> 8) >= round(p 2^24)."""
+    """csrc/philox.h's mask (tests.helpers.attention_keep), bit for bit; 37 rows: whole and
+    partial 16-row blocks."""
     require_extension(device, "attention")
     impl = backends.BACKENDS["extension"].impl()
-    q, k = torch.randn(2, 3, 5, 8, device=device), torch.randn(2, 1, Lk, 8, device=device)
+    q, k = torch.randn(2, 3, 37, 8, device=device), torch.randn(2, 1, Lk, 8, device=device)
     p, seed = 0.3, (7 << 32) + 12345
     keep = impl.attention_dropout_mask(q, k, p, seed).cpu()
-    assert keep.dtype == torch.bool and keep.shape == (2, 3, 5, Lk)
-    assert torch.equal(keep, attention_keep(seed, p, 2, 3, 5, Lk))
+    assert keep.dtype == torch.bool and keep.shape == (2, 3, 37, Lk)
+    assert torch.equal(keep, attention_keep(seed, p, 2, 3, 37, Lk))
 
 
 def test_dropout_keep_fraction_and_independence(ext):

@@ -205,6 +205,22 @@ def test_loop_goals_hold_for_every_entry_they_name(all_rows):
 
 
 @pytest.mark.slow
+def test_dropout_at_most_doubles_the_forward_loop(all_rows):
+    """One Philox call per eight scores, drawn in the accumulator's own layout (no trip
+    through shared memory): the forward with dropout alone runs its loop in at most twice
+    the instructions of the same build without it (sm_90, the goal held on Triton 3.9)."""
+    from fasttrans.kernels._attention_configs import TRITON_VERSION
+
+    if TRITON_VERSION < (3, 9):
+        pytest.skip("the loop goals are counts of Triton 3.9's SASS")
+    fwd = {r["config"]: r for r in all_rows if r["kernel"] == "attention_fwd" and r["arch"] == "sm_90"}
+    for dclass in (64, 128):
+        (plain,) = [r for c, r in fwd.items() if c.startswith(f"d{dclass}-heavy") and c.endswith("-plain")]
+        (dropout,) = [r for c, r in fwd.items() if c.startswith(f"d{dclass}-heavy") and c.endswith("-dropout")]
+        assert dropout["loop_per_element"] <= 2 * plain["loop_per_element"], (dropout, plain)
+
+
+@pytest.mark.slow
 def test_a_dense_masks_full_tiles_run_the_unmasked_loop(all_rows):
     """The forward with a dense bool mask alone runs its listed full tiles in a loop within 5%
     of the same build without a mask (it carries its list's next entries), and counts the

@@ -9,7 +9,7 @@
 #include <random>
 #include <limits>
 using namespace fasttrans::cuda_kernels;
-using fasttrans::dropout_keep;
+using fasttrans::attention_dropout_keep;
 
 
 // nan: 0 none; 1 NaN in q row (0, H-1, Lq/2) (and (B-1, 0, 0)); 2 NaN in float-mask elements
@@ -100,7 +100,7 @@ int check(const Cfg& c, uint64_t seed_) {
   a.m_sb = m_sb; a.m_sh = m_sh; a.m_si = m_si; a.m_sj = m_sj;
   a.key_lengths = c.kl ? kl.data() : nullptr;
   a.causal = c.causal; a.causal_offset = std::clamp<int64_t>(c.off, -(Lq + 1), Lk + 1);
-  a.scale = scale; a.dropout = p > 0; a.seed = seed; a.dropout_threshold = fasttrans::dropout_threshold(p);
+  a.scale = scale; a.dropout = p > 0; a.seed = seed; a.dropout_threshold = fasttrans::attention_dropout_threshold(p);
   a.dropout_scale = p > 0 ? (float)(1.0 / (1.0 - p)) : 1.0f;
   auto allowed_ref = [&](int b, int h, int i, int j) {
     bool ok = (!c.kl || j < kl[b]) && (!c.causal || j <= i + c.off);
@@ -190,7 +190,7 @@ int check(const Cfg& c, uint64_t seed_) {
         for (int j = 0; j < Lk; ++j) { P[j] = std::exp(s2[j] - (empty ? 0.0 : mx)); l += P[j]; }
         for (int j = 0; j < Lk; ++j) {
           P[j] = empty ? 0.0 : P[j] / l;
-          f[j] = p > 0 ? (dropout_keep(seed, a.dropout_threshold, b, h, i, j) ? 1.0 / (1.0 - p) : 0.0) : 1.0;
+          f[j] = p > 0 ? (attention_dropout_keep(seed, a.dropout_threshold, b, h, i, j) ? 1.0 / (1.0 - p) : 0.0) : 1.0;
           Pd[j] = P[j] * f[j];
         }
         const size_t row = ((size_t)b * H + h) * Lq + i;
