@@ -80,10 +80,13 @@ Tile lists (the idea of FlexAttention's block mask): with the map, _attention_ti
 lists per row of LIST_TILE x LIST_TILE tiles (MAP_TILE on a GPU: every forward and dQ tile
 fits whole in one) its full tiles (LIVE, not DENSE) and its partial ones (LIVE and DENSE), in
 order, with prefix counts: (full count per column 0..tiles, partial count likewise, full
-indices, partial indices), a row padded to a multiple of 16 entries. The forward and dQ
-kernels run the listed tiles before full_end (those no causal or key-length mask cuts) in
-two loops over their key tiles: the full ones exactly as without a mask (no mask read, no
-select, the scale folded as FOLD_SCALE allows), the partial ones with the mask read whole;
+indices, partial indices), a row padded to a multiple of 16 entries; a bool mask's rows
+follow as bits (_pack_mask_bits), 16 keys to a word in the order one thread of the
+accumulator holds them. The forward and dQ kernels run the listed tiles before full_end
+(those no causal or key-length mask cuts) in two loops over their key tiles: the full ones
+exactly as without a mask (no mask read, no select, the scale folded as FOLD_SCALE allows),
+the partial ones with the mask read whole (a bool mask's bits: a bit test and a select per
+score, the words loaded with the keys' pipeline);
 the rest of the row (the tile that full_end cuts, the causal diagonal) runs by the map. A
 listed partial tile's key tiles that the mask forbids entirely load no keys or values. The
 loops carry the next entries of their list (_list_window) so that no load of keys waits on
@@ -394,6 +397,16 @@ def _listed_tiles(Lists_bh, stride_list_m, list_tiles, start_m, full_end, LIST_T
 
 
 @triton.jit
+def _mask_bits_rows(Lists_bh, stride_list_m, list_tiles, start_m, LIST_TILE: tl.constexpr):
+    """(the query tile's first row of a bool mask's bits, the int32 words of a row): the bits
+    follow each tile row's list entries, LIST_TILE query rows of them (module docstring, "Tile
+    lists"); _list_width and _bits_words on the host."""
+    words = (list_tiles * LIST_TILE + 63) // 64 * 4
+    row = Lists_bh + (start_m // LIST_TILE) * stride_list_m + (4 * list_tiles + 2 + 15) // 16 * 16
+    return row + (start_m % LIST_TILE) * words, words
+
+
+@triton.jit
 def _list_window(index, n):
     """(entries 0 and 1) of a tile list of n entries at index (0 past n): the window a loop
     over listed tiles carries, :func:`_list_window_step`."""
@@ -528,10 +541,11 @@ def _masked_scores(
     causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FOLD_SCALE: tl.constexpr = False,
+    FOLD_SCALE: tl.constexpr = False, BITS: tl.constexpr = False,
 ):
     """Scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask forbids; with
     FOLD_SCALE (no float mask, scale > 0), q k^T unscaled, for _online_softmax_step to scale.
+    With BITS (a listed partial tile of a bool mask) the mask is read from its bits, mask[4:6].
 
     Shared by the forward and the dQ backward so both see exactly the same masked scores.
     """
@@ -549,7 +563,29 @@ def _masked_scores(
         mask_ptrs = Mask_rows + start_n64 * stride_mask_n + rows[:, None] * stride_mask_m \
             + offs_n[None, :] * stride_mask_n
         rows_read = tl.where(dense, row_ok, False)  # nothing on a tile that is not dense
-        if ELEMENT_MASKED:
+        if BITS:
+            tl.static_assert(MASK_KIND == 1 and not ELEMENT_MASKED, "the bits of a bool mask's partial tiles")
+            # word 4 (j // 64) + (j % 8) // 2 of a row holds key j at bit 2 ((j % 64) // 8) + j % 2:
+            # a word holds the columns one thread holds in the accumulator, so each score tests
+            # one bit of a word its thread loaded (_pack_mask_bits). 16 bits a word: 64-key
+            # groups need no shift in tiles of 64 keys or more.
+            if BLOCK_N <= 64:
+                K8: tl.constexpr = BLOCK_N // 8
+                words = tl.load(mask[4] + rows[:, None] * mask[5] + (start_n64 >> 6) * 4 + tl.arange(0, 4)[None, :],
+                                mask=rows_read[:, None], other=0).to(tl.int32)
+                if BLOCK_N < 64:  # the tile's columns of its 64-key group
+                    words = words >> ((start_n64 & 63) >> 2).to(tl.int32)
+                bit = tl.arange(0, K8)[None, :, None, None] * 2 + tl.arange(0, 2)[None, None, None, :]
+                allowed = (tl.broadcast_to(words[:, None, :, None], (BLOCK_M, K8, 4, 2)) & (1 << bit)) != 0
+            else:
+                G: tl.constexpr = BLOCK_N // 64
+                at = (start_n64 >> 6) * 4 + tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+                words = tl.load(mask[4] + rows[:, None, None] * mask[5] + at, mask=rows_read[:, None, None],
+                                other=0).to(tl.int32)
+                bit = tl.arange(0, 8)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+                allowed = (tl.broadcast_to(words[:, :, None, :, None], (BLOCK_M, G, 8, 4, 2)) & (1 << bit)) != 0
+            s = tl.where(tl.reshape(allowed, (BLOCK_M, BLOCK_N)), s, float("-inf"))
+        elif ELEMENT_MASKED:
             s = _apply_dense_mask(s, mask_ptrs, rows_read[:, None] & col_ok[None, :], dense, MASK_KIND)
         else:
             s = _apply_dense_mask(s, mask_ptrs, rows_read[:, None], dense, MASK_KIND)
@@ -628,7 +664,8 @@ def _key_tile_scores(
         k = _load_tile(k_ptrs, col_ok, d_ok, ELEMENT_MASKED, MASK_D)
     key_tile = (start_n64, cols, col_ok, load_ok)
     s = _masked_scores(q, k, tile, key_tile[:3], mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
-                       MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE)
+                       MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
+                       SKIP_DEAD and MASK_KIND == 1)
     return s, key_tile
 
 
@@ -783,7 +820,13 @@ def _attention_fwd_kernel(
 
     tile = (offs_m, row_ok, d_ok)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
+    # with a bool mask's bits (_mask_bits_rows), which its listed partial tiles read
+    if MASK_KIND == 1:
+        bits_rows, bits_words = _mask_bits_rows(Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m,
+                                                list_tiles, start_m, LIST_TILE)
+    else:
+        bits_rows, bits_words = Lists, 0
+    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row, bits_rows, bits_words)
     dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
     # a float mask is added to scaled scores: unscaled ones only where no mask is read
@@ -1193,7 +1236,8 @@ def _attention_bwd_dq_inner(
             v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                            load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
         s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
-                           BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION)
+                           BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
+                           False, SKIP_DEAD and MASK_KIND == 1)
         p = tl.math.exp2(s - row_hi[:, None])
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
@@ -1312,7 +1356,13 @@ def _attention_bwd_dq_kernel(
 
     query_rows = (q, do, row_hi, delta, r)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row)
+    # with a bool mask's bits (_mask_bits_rows), which its listed partial tiles read
+    if MASK_KIND == 1:
+        bits_rows, bits_words = _mask_bits_rows(Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m,
+                                                list_tiles, start_m, LIST_TILE)
+    else:
+        bits_rows, bits_words = Lists, 0
+    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row, bits_rows, bits_words)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
@@ -1578,6 +1628,18 @@ def _list_width(tiles: int) -> int:
     return cdiv(4 * tiles + 2, 16) * 16
 
 
+def _bits_words(tiles: int, list_tile: int) -> int:
+    """The int32 words of one query row of a bool mask's bits: four per 64 of the tile lists'
+    columns, 16 bits each (_pack_mask_bits; _mask_bits_rows in the kernels)."""
+    return cdiv(tiles * list_tile, 64) * 4
+
+
+def _list_row(mask_kind: int, tiles: int, list_tile: int) -> int:
+    """A tile row's int32 words in the tile lists: its entries, then for a bool mask the bits
+    of its list_tile query rows."""
+    return _list_width(tiles) + (list_tile * _bits_words(tiles, list_tile) if mask_kind == MASK_BOOL else 0)
+
+
 def _map_geometry(mask_kind: int, mstride: tuple, B: int, H: int, Lq: int, Lk: int):
     """The tile map of a dense mask with broadcast strides ``mstride`` at (B, H, Lq, Lk):
     (mask kind, mstride, (Bm, Hm, CM, CN), (stride_b, stride_h, stride_m, unit), lists); CM x
@@ -1594,7 +1656,7 @@ def _map_geometry(mask_kind: int, mstride: tuple, B: int, H: int, Lq: int, Lk: i
     strides = (Hm * 225 * unit if mstride[0] else 0, 225 * unit if mstride[1] else 0, CN if mstride[2] else 0, unit)
     list_tile = _list_tile()
     rows, tiles = CM * MAP_CELL.value // list_tile, CN * MAP_CELL.value // list_tile
-    width = _list_width(tiles)
+    width = _list_row(mask_kind, tiles, list_tile)
     lists = (list_tile, rows, tiles, (Hm * rows * width if mstride[0] else 0, rows * width if mstride[1] else 0,
                                       width if mstride[2] else 0, tiles))
     return mask_kind, mstride, (Bm, Hm, CM, CN), strides, lists
@@ -1611,15 +1673,38 @@ def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Ten
     return tile_map
 
 
-def _build_tile_lists(codes: torch.Tensor, geometry) -> torch.Tensor:
-    """The int32 tile lists (module docstring) of the tile map ``codes``, on its device."""
-    _, _, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
-    width = _list_width(tiles)
+def _build_tile_lists(codes: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
+    """The int32 tile lists (module docstring) of the tile map ``codes``, with a bool mask's
+    bits (``mask``: the kernels' operand), on codes' device."""
+    kind, _, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
+    width = _list_row(kind, tiles, list_tile)
     lists = torch.empty((Bm, Hm, rows, width), dtype=torch.int32, device=codes.device)
     with on_device(codes):
         _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG, lambda meta: (rows, Bm * Hm),
              (lists, codes, rows, tiles, width, unit), _tile_lists_spec(list_tile))
+        if kind == MASK_BOOL:
+            _pack_mask_bits(mask, geometry, Lq, Lk, lists[..., _list_width(tiles):])
     return lists
+
+
+def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.Tensor) -> None:
+    """Write a bool mask's bits (uint8 view ``mask``) into ``out`` = the tile lists' (Bm, Hm,
+    rows, list_tile x words) int32 tails: query row i's word 4 (j // 64) + (j % 8) // 2 holds
+    key j at bit 2 ((j % 64) // 8) + j % 2, keys past Lk 0; rows of a mask broadcast over
+    queries repeat its one row. Torch operations on the mask's device, once per mask."""
+    _, mstride, (Bm, Hm, _, _), _, (list_tile, rows, tiles, _) = geometry
+    words = _bits_words(tiles, list_tile)
+    m = mask[:Bm, :Hm, :Lq if mstride[2] else 1, :Lk]
+    R = rows * list_tile if mstride[2] else 1
+    m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, R - m.shape[2]))
+    # key j = 64 g + 32 byte + 8 k + 2 word + half: bit 2 k + half of the word's byte
+    m = m.reshape(Bm, Hm, R, words // 4, 2, 4, 4, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
+    packed = (m.reshape(*m.shape[:-2], 8) * weights).sum(-1, dtype=torch.uint8)  # (..., g, word, byte)
+    packed = torch.nn.functional.pad(packed, (0, 2)).reshape(Bm, Hm, R, words * 4).view(torch.int32)
+    out.view(Bm, Hm, rows, list_tile, words).copy_(
+        packed.view(Bm, Hm, rows, list_tile, words) if mstride[2]
+        else packed[:, :, None].expand(-1, -1, rows, list_tile, -1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1662,7 +1747,7 @@ def tile_map(attn_mask: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk:
             and version is not None:
         return entry[3]
     codes = _build_tile_map(mask, geometry, Lq, Lk)
-    built = codes, _build_tile_lists(codes, geometry)
+    built = codes, _build_tile_lists(codes, mask, geometry, Lq, Lk)
     if version is not None and not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         if len(_TILE_MAPS) >= _TILE_MAPS_MAX:
             del _TILE_MAPS[next(iter(_TILE_MAPS))]

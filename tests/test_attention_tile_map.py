@@ -176,6 +176,26 @@ def test_masks_with_empty_full_and_partial_list_tiles_match_reference(kind, devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("layout", ["full", "rows1"])
+def test_bool_mask_bits_at_the_gpus_tile_widths(layout, block_n, device, monkeypatch):
+    """A bool mask's listed partial tiles read its bits (kernels/attention.py, _pack_mask_bits):
+    at the GPU's list tile of 128 and key tiles of 64 (one word per row and thread) and 128
+    (two), where the interpreter's own 16-key tiles shift their 64-key group's word."""
+    from fasttrans.kernels._attention_configs import _cfg
+
+    monkeypatch.setattr(K, "LIST_TILE_INTERPRETER", 128)
+    monkeypatch.setattr(K, "INTERPRETER_CONFIGS", dict(K.INTERPRETER_CONFIGS, fwd=_cfg(32, block_n, 4, 1),
+                                                       dq=_cfg(32, block_n, 4, 1)))
+    B, H, Lq, Lk, D = 1, 2, 2 * 128 + 5 + block_n // 64, 3 * 128 - 3, 16  # shapes no other test's sites share
+    torch.manual_seed(17)
+    q = torch.randn(B, H, Lq, D, device=device)
+    k, v = (torch.randn(B, H, Lk, D, device=device) for _ in range(2))
+    shape = (B, 1, 1, Lk) if layout == "rows1" else (B, 1, Lq, Lk)
+    _check(q, k, v, {"attn_mask": block_mask(shape, device, 128, seed=18, kind="bool")})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bool", "float", "bool+key_lengths+causal", "float+causal", "bool+gqa",
                                   "rows1+causal_br"])
 def test_masks_with_empty_full_and_mixed_tiles_match_reference(kind, device):
