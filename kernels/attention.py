@@ -407,6 +407,19 @@ def _mask_bits_rows(Lists_bh, stride_list_m, list_tiles, start_m, LIST_TILE: tl.
 
 
 @triton.jit
+def _mask_rows(Mask_rows, stride_mask_m, stride_mask_n, codes_row, Lists_bh, stride_list_m, list_tiles, start_m,
+               MASK_KIND: tl.constexpr, LIST_TILE: tl.constexpr):
+    """The ``mask`` the loops of a query tile take (_attention_fwd_inner's): the dense mask's
+    rows and strides, its map's codes, and a bool mask's bits (_mask_bits_rows), which its
+    listed partial tiles read."""
+    if MASK_KIND == 1:
+        bits_rows, bits_words = _mask_bits_rows(Lists_bh, stride_list_m, list_tiles, start_m, LIST_TILE)
+    else:
+        bits_rows, bits_words = Lists_bh, 0
+    return Mask_rows, stride_mask_m, stride_mask_n, codes_row, bits_rows, bits_words
+
+
+@triton.jit
 def _list_window(index, n):
     """(entries 0 and 1) of a tile list of n entries at index (0 past n): the window a loop
     over listed tiles carries, :func:`_list_window_step`."""
@@ -708,8 +721,9 @@ def _attention_fwd_inner(
     q,  # (BLOCK_M, BLOCK_D) query tile
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
     keys, values,  # (K_head, stride_k_n[, descriptor with TMA]), likewise V: this (batch, kv head) at key 0
-    mask,  # (Mask_rows, stride_mask_m, stride_mask_n, Codes_row): the dense mask at (batch, head,
-    #        tile row 0, key 0), the tile map's codes of (batch, head, this query tile, key tile 0)
+    mask,  # (Mask_rows, stride_mask_m, stride_mask_n, Codes_row, Bits_rows, words): the dense mask at
+    #        (batch, head, tile row 0, key 0), the tile map's codes of (batch, head, this query
+    #        tile, key tile 0), a bool mask's bits at tile row 0 and their words a row (_mask_rows)
     dropout,  # (dropout_p, dropout_threshold, seed, the query tile's first row)
     off_b, off_h,  # batch and head (the dropout mask's counter)
     lo, hi, kv_len, causal_offset, qk_scale,  # key tiles [lo, hi); keys < kv_len exist
@@ -820,13 +834,9 @@ def _attention_fwd_kernel(
 
     tile = (offs_m, row_ok, d_ok)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    # with a bool mask's bits (_mask_bits_rows), which its listed partial tiles read
-    if MASK_KIND == 1:
-        bits_rows, bits_words = _mask_bits_rows(Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m,
-                                                list_tiles, start_m, LIST_TILE)
-    else:
-        bits_rows, bits_words = Lists, 0
-    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row, bits_rows, bits_words)
+    mask = _mask_rows(Mask_rows, stride_mask_m, stride_mask_n, codes_row,
+                      Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m, list_tiles, start_m,
+                      MASK_KIND, LIST_TILE)
     dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
     # a float mask is added to scaled scores: unscaled ones only where no mask is read
@@ -1356,13 +1366,9 @@ def _attention_bwd_dq_kernel(
 
     query_rows = (q, do, row_hi, delta, r)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    # with a bool mask's bits (_mask_bits_rows), which its listed partial tiles read
-    if MASK_KIND == 1:
-        bits_rows, bits_words = _mask_bits_rows(Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m,
-                                                list_tiles, start_m, LIST_TILE)
-    else:
-        bits_rows, bits_words = Lists, 0
-    mask = (Mask_rows, stride_mask_m, stride_mask_n, codes_row, bits_rows, bits_words)
+    mask = _mask_rows(Mask_rows, stride_mask_m, stride_mask_n, codes_row,
+                      Lists + off_b * stride_list_b + off_h * stride_list_h, stride_list_m, list_tiles, start_m,
+                      MASK_KIND, LIST_TILE)
     dmask = (DMask_rows, Lk)
     dropout = (dropout_p, dropout_threshold, seed, start_m)
     listed_end = 0
@@ -1694,7 +1700,7 @@ def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.T
     queries repeat its one row. Torch operations on the mask's device, once per mask."""
     _, mstride, (Bm, Hm, _, _), _, (list_tile, rows, tiles, _) = geometry
     words = _bits_words(tiles, list_tile)
-    m = mask[:Bm, :Hm, :Lq if mstride[2] else 1, :Lk]
+    m = mask.as_strided((Bm, Hm, Lq if mstride[2] else 1, Lk), mstride)  # the kernels' view, one entry a broadcast dim
     R = rows * list_tile if mstride[2] else 1
     m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, R - m.shape[2]))
     # key j = 64 g + 32 byte + 8 k + 2 word + half: bit 2 k + half of the word's byte

@@ -182,11 +182,11 @@ def test_bool_mask_bits_at_the_gpus_tile_widths(layout, block_n, device, monkeyp
     """A bool mask's listed partial tiles read its bits (kernels/attention.py, _pack_mask_bits):
     at the GPU's list tile of 128 and key tiles of 64 (one word per row and thread) and 128
     (two), where the interpreter's own 16-key tiles shift their 64-key group's word."""
-    from fasttrans.kernels._attention_configs import _cfg
+    import triton
 
+    tiles = triton.Config({"BLOCK_M": 32, "BLOCK_N": block_n}, num_warps=4, num_stages=1)
     monkeypatch.setattr(K, "LIST_TILE_INTERPRETER", 128)
-    monkeypatch.setattr(K, "INTERPRETER_CONFIGS", dict(K.INTERPRETER_CONFIGS, fwd=_cfg(32, block_n, 4, 1),
-                                                       dq=_cfg(32, block_n, 4, 1)))
+    monkeypatch.setattr(K, "INTERPRETER_CONFIGS", dict(K.INTERPRETER_CONFIGS, fwd=tiles, dq=tiles))
     B, H, Lq, Lk, D = 1, 2, 2 * 128 + 5 + block_n // 64, 3 * 128 - 3, 16  # shapes no other test's sites share
     torch.manual_seed(17)
     q = torch.randn(B, H, Lq, D, device=device)
