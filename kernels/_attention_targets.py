@@ -122,6 +122,16 @@ def _feature_alone(target: dict, feature: str) -> dict:
                 divisible_by_16=[p for p in signature if p.startswith("stride_")], partial_loop=feature == "bool")
 
 
+def _with_bool_mask(target: dict) -> dict:
+    """A heavy target's worst case with a dense bool mask in place of the float one: the path
+    whose loops over listed partial tiles read the mask's bits; shipped in the same entries."""
+    c = dict(target["constexprs"], MASK_KIND=MASK_BOOL)
+    if "MASK_GRAD" in c:  # a bool mask has no gradient
+        c["MASK_GRAD"] = False
+    return dict(target, config=f"{target['config']}-boolmask", constexprs=c,
+                signature=dict(target["signature"], Mask="*u8"))
+
+
 def _runtime_params(kernel) -> list[str]:
     """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
     functions carry no parsed parameters)."""
@@ -177,6 +187,10 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
                 targets += builds(table[arch][(128, "light")][:1], 128, "light", torch.bfloat16)
             for dclass, weight in goals:
                 targets += builds(table[arch][(dclass, weight)], dclass, weight, torch.bfloat16)
+            if stage != "dkdv":  # a bool mask reads its bits where a float mask reads its values
+                for (dclass, weight), cfgs in table[arch].items():
+                    if weight == "heavy" and dclass <= lists_max_head_dim:
+                        targets += [_with_bool_mask(t) for t in builds(cfgs, dclass, weight)]
             if stage == "fwd" and arch == "sm_90":  # the loop alone, with a dense mask alone, with dropout alone
                 for dclass in (64, 128):
                     heavy = builds(table[arch][(dclass, "heavy")][:1], dclass, "heavy")[0]
