@@ -111,7 +111,7 @@ def _feature_alone(target: dict, feature: str) -> dict:
     or for none ("plain", the count the other two are compared with), so that compile-check
     counts that feature's own cost in the loop; built, not shipped apart."""
     c = dict(target["constexprs"], IS_CAUSAL=False, HAS_KEY_LENGTHS=False, HAS_DROPOUT=feature == "dropout",
-             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE, FOLD_SCALE=True)
+             MASK_KIND=MASK_BOOL if feature == "bool" else MASK_NONE)
     signature = dict(target["signature"])
     if feature == "bool":
         signature["Mask"] = "*u8"

@@ -13,9 +13,9 @@ Forward, one query tile of BLOCK_M rows against key tiles of BLOCK_N columns:
     O    = A / ((1 - p) l),  lse = m + log(l)     saved in fp32 for the backward
 
 With scale > 0, FOLD_SCALE keeps the scores unscaled (except in loops that add a float
-mask, which is added to scaled scores): m_j takes the row maximum of Q K^T times scale (the same bits, as rounding is
-monotonic) and the scale enters exp2's argument in its fused multiply-add, one multiply
-per score fewer in the loop.
+mask, which is added to scaled scores): m_j takes the row maximum of Q K^T times scale (the
+same bits, as rounding is monotonic) and the scale enters exp2's argument in its fused
+multiply-add, one multiply per score fewer in the loop.
 
 A row with no allowed key ends with l = 0: O = 0 and lse = +inf, so that the backward's
 exp(S - lse) recomputes P = 0 for it (never NaN). The running maximum is replaced by 0
@@ -238,20 +238,6 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr
         else:
             x = tl.load(ptrs)
     return x
-
-
-@triton.jit
-def _philox(seed, c0, c1, c2, c3):
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    for _ in tl.static_range(10):
-        pa = c0.to(tl.uint64) * 0xD2511F53
-        pb = c2.to(tl.uint64) * 0xCD9E8D57
-        c0, c2 = (pb >> 32).to(tl.uint32) ^ c1 ^ k0, (pa >> 32).to(tl.uint32) ^ c3 ^ k1
-        c1, c3 = pb.to(tl.uint32), pa.to(tl.uint32)
-        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
-        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -585,7 +571,7 @@ def _masked_scores(
             if BLOCK_N <= 64:
                 K8: tl.constexpr = BLOCK_N // 8
                 words = tl.load(mask[4] + rows[:, None] * mask[5] + (start_n64 >> 6) * 4 + tl.arange(0, 4)[None, :],
-                                mask=rows_read[:, None], other=0).to(tl.int32)
+                                mask=rows_read[:, None], other=0)
                 if BLOCK_N < 64:  # the tile's columns of its 64-key group
                     words = words >> ((start_n64 & 63) >> 2).to(tl.int32)
                 bit = tl.arange(0, K8)[None, :, None, None] * 2 + tl.arange(0, 2)[None, None, None, :]
@@ -593,8 +579,7 @@ def _masked_scores(
             else:
                 G: tl.constexpr = BLOCK_N // 64
                 at = (start_n64 >> 6) * 4 + tl.arange(0, G)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-                words = tl.load(mask[4] + rows[:, None, None] * mask[5] + at, mask=rows_read[:, None, None],
-                                other=0).to(tl.int32)
+                words = tl.load(mask[4] + rows[:, None, None] * mask[5] + at, mask=rows_read[:, None, None], other=0)
                 bit = tl.arange(0, 8)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
                 allowed = (tl.broadcast_to(words[:, :, None, :, None], (BLOCK_M, G, 8, 4, 2)) & (1 << bit)) != 0
             s = tl.where(tl.reshape(allowed, (BLOCK_M, BLOCK_N)), s, float("-inf"))
