@@ -691,6 +691,15 @@ def add_layer_norm(
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
 
+# rms_norm's eps=None: the machine epsilon of the accumulation dtype (reference.accumulation_dtype)
+_RMS_DEFAULT_EPS = {
+    torch.float16: torch.finfo(torch.float32).eps,
+    torch.bfloat16: torch.finfo(torch.float32).eps,
+    torch.float32: torch.finfo(torch.float32).eps,
+    torch.float64: torch.finfo(torch.float64).eps,
+}
+
+
 def rms_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -702,7 +711,8 @@ def rms_norm(
     eps=None means the machine epsilon of the accumulation dtype, as torch computes it:
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
-    out = None if eps is None else _norm_fast_over(x, normalized_shape, weight, None, eps, True)
+    fast_eps = _RMS_DEFAULT_EPS.get(x.dtype) if eps is None and type(x) in _PLAIN_TENSORS else eps
+    out = None if fast_eps is None else _norm_fast_over(x, normalized_shape, weight, None, fast_eps, True)
     if out is not None:
         return out[0]
     shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)

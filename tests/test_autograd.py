@@ -193,6 +193,22 @@ def _public_norms_match_the_registered_op(case, dtype):
             assert node.name() == f"norm_fwd_{backend}_eagerBackward"
 
 
+@pytest.mark.parametrize("dtype, backend", _common_case_backends("norm", (torch.float16,)))
+def test_rms_norm_default_eps_takes_the_common_case(monkeypatch, dtype, backend):
+    """rms_norm(eps=None) is torch's default call: it takes the common case with the
+    accumulation dtype's machine epsilon, not the general route."""
+    x, w = torch.randn(3, 40, dtype=dtype), torch.randn(40, dtype=dtype)
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    with _forced(backend):
+        expected = fasttrans.rms_norm(x, 40, w, eps)
+
+        def general_route(*args, **kwargs):
+            raise AssertionError("rms_norm(eps=None) took the general route")
+
+        monkeypatch.setattr(fasttrans.functional, "_norm", general_route)
+        assert torch.equal(fasttrans.rms_norm(x, 40, w), expected)
+
+
 # the sites' code does not branch on the dtype: Triton in fp32 only (the interpreter is slow)
 @pytest.mark.parametrize("dtype, backend", _common_case_backends("attention", (torch.float32,)))
 @pytest.mark.parametrize("case", ["plain", "gqa_causal", "offset_past_int64", "negative_offset_scale",
