@@ -1,22 +1,24 @@
 """One command for the GPU questions: does the suite pass on the GPU, and how fast is fasttrans there?
 
-Runs, each in its own subprocess with its own timeout, in this order (cheapest and most
-informative first):
+Runs, each in its own subprocess with its own timeout, in this order (what the open
+questions need most first; the budget cuts from the end):
 
     env        nvidia-smi, torch / triton versions, ``python -m fasttrans info`` (which also
                builds the C++/CUDA extension, once, for every later part)
-    tests      ``pytest tests -m gpu`` (-n 4 with pytest-xdist, --timeout with pytest-timeout)
+    tests      ``pytest tests -m gpu`` (pytest-xdist workers when installed, at most ten
+               failures, --timeout with pytest-timeout)
     host       benchmarks/bench_host.py, when the checkout has it
-    attention  fp16 and bf16, D 64/128, L 1024/4096, masks none/causal/key_padding/
-               dense_padding/dense_bool, fwd and fwd+bwd, fasttrans' GPU backends against
-               F.scaled_dot_product_attention; then fp16 at L 4096 with the forward's keys
-               and values by pointer loads instead of TMA (rows marked "pointer loads")
-    norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
-    model      training step of the demo (digits-average) model and of the base model
+    attention  fp16, D 64/128, L 1024/4096, masks none/causal/key_padding/dense_padding/
+               dense_bool, fwd and fwd+bwd, the Triton backend against
+               F.scaled_dot_product_attention
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
                BERT-base-shaped and Llama-shaped training steps and Llama generate(), and a
                small training step of each of the six tested families, fasttrans's apply()
                against attn_implementation "sdpa" (and "eager"); skipped without transformers
+    model      training step of the demo (digits-average) model and of the base model
+    attention  then fp16 at L 4096 with the forward's keys and values by pointer loads
+               instead of TMA (rows marked "pointer loads"), and the bf16 sweep
+    norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
     dropout    the dropout sweeps, when time remains
 
 Every benchmark part appends its rows to ``<out-dir>/<device>.csv`` (benchmarks/common.py),
@@ -65,6 +67,9 @@ FAILURE_TAIL_LINES = 30
 # which this time budget cannot afford. A plain 'torch' filter would also select
 # torch-compile (benchmarks/common.py: provider_selected); the glob matches eager torch only.
 PROVIDERS = "fasttrans-triton,fasttrans-extension,torc[h]"
+# The attention sweeps time the Triton backend alone: the extension's CUDA attention is the
+# fallback for GPUs without Triton, and leaving it out lets both lengths fit the part's time.
+TRITON_PROVIDERS = "fasttrans-triton,torc[h]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,14 +141,19 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
     may take of it."""
     xdist = has_module("xdist") if xdist is None else xdist
     pytest_timeout = has_module("pytest_timeout") if pytest_timeout is None else pytest_timeout
-    tests = [python, "-m", "pytest", "tests", "-m", "gpu", "-q", "-x"]
-    if xdist:  # four workers share the GPU: the suite is mostly compilation and small kernels
-        tests += ["-n", "4"]
+    # up to ten failures, not one: a single failing test would hide whether the rest pass
+    tests = [python, "-m", "pytest", "tests", "-m", "gpu", "-q", "--maxfail", "10"]
+    if xdist:  # workers share the GPU: the suite is mostly compilation (one core each) and small kernels
+        tests += ["-n", str(max(2, min(8, (os.cpu_count() or 8) // 2)))]
     if pytest_timeout:  # a hung test fails alone instead of taking the part's whole time
         tests += ["--timeout", "90"]
+    # the extension's tests apart: when it cannot be built, each of its tests fails at setup,
+    # and those failures would stop the Triton kernels' tests
+    extension_tests = (*tests, "-k", "extension")
+    tests += ["-k", "not extension"]
     attention = ["--sweep", "sweep", "--head-dim", "64,128", "--seq-len", "1024,4096",
                  "--mask", "none,causal,key_padding,dense_padding,dense_bool", "--mode", "fwd,fwd+bwd",
-                 "--provider", PROVIDERS]
+                 "--provider", TRITON_PROVIDERS]
     pointer_loads = ["--dtype", "float16", "--loads", "pointer", "--sweep", "sweep", "--head-dim", "64,128",
                      "--mask", "none,causal", "--mode", "fwd,fwd+bwd", "--provider", "fasttrans-triton,torc[h]",
                      "--seq-len"]
@@ -153,27 +163,29 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
         # the first `fasttrans info` builds the extension (nvcc): most of this part's time
         Part("env", (python, "benchmarks/gpu_check.py", "--env-report", "--out-dir", str(out_dir)), 180, 30,
              show_lines=12),
-        Part("tests", tuple(tests), 150, 45, show_lines=3),
-        bench_part("host", "bench_host.py", [], out_dir, python, 60, 20, "host"),
+        Part("tests", tuple(tests), 150, 45, group="tests", show_lines=3),
+        # compiling the layer's kernels, cold, takes most of it
+        bench_part("host", "bench_host.py", [], out_dir, python, 90, 20, "host"),
         bench_part("attention-float16", "bench_attention.py", ["--dtype", "float16", *attention], out_dir, python,
                    120, 40, "attention"),
-        bench_part("attention-bfloat16", "bench_attention.py", ["--dtype", "bfloat16", *attention], out_dir, python,
-                   90, 40, "attention"),
-        # the forward's keys and values by pointer loads: against attention-float16's rows
-        bench_part("attention-pointer-loads", "bench_attention.py", [*pointer_loads, "4096"], out_dir, python, 60, 30,
-                   "attention", check_args=[*pointer_loads, "1024"]),  # the CPU sweep stops at 2048
-        bench_part("norms-float16", "bench_layernorm.py", ["--dtype", "float16", *norms], out_dir, python,
-                   45, 20, "norms"),
-        bench_part("norms-float32", "bench_layernorm.py", ["--dtype", "float32", *norms], out_dir, python,
-                   45, 20, "norms"),
-        # headline: the demo (digits-average) model's training step; train: the base model's,
-        # a CUDA-only sweep, so the CPU check lists the headline alone
-        bench_part("model", "bench_model.py", ["--sweep", "headline,train", "--provider", PROVIDERS], out_dir,
-                   python, 90, 45, "model", check_args=["--sweep", "headline", "--provider", PROVIDERS]),
         # needs transformers (the test extra); without it the sweep's rows say UNAVAILABLE
         bench_part("hf", "bench_model.py",
                    ["--sweep", "hf,hf-families", "--dtype", "bfloat16", "--provider", PROVIDERS],
                    out_dir, python, 120, 40, "hf"),
+        # headline: the demo (digits-average) model's training step; train: the base model's,
+        # a CUDA-only sweep, so the CPU check lists the headline alone
+        bench_part("model", "bench_model.py", ["--sweep", "headline,train", "--provider", PROVIDERS], out_dir,
+                   python, 90, 45, "model", check_args=["--sweep", "headline", "--provider", PROVIDERS]),
+        Part("tests-extension", extension_tests, 90, 30, group="tests", show_lines=3),
+        # the forward's keys and values by pointer loads: against attention-float16's rows
+        bench_part("attention-pointer-loads", "bench_attention.py", [*pointer_loads, "4096"], out_dir, python, 60, 30,
+                   "attention", check_args=[*pointer_loads, "1024"]),  # the CPU sweep stops at 2048
+        bench_part("attention-bfloat16", "bench_attention.py", ["--dtype", "bfloat16", *attention], out_dir, python,
+                   90, 40, "attention"),
+        bench_part("norms-float16", "bench_layernorm.py", ["--dtype", "float16", *norms], out_dir, python,
+                   45, 20, "norms"),
+        bench_part("norms-float32", "bench_layernorm.py", ["--dtype", "float32", *norms], out_dir, python,
+                   45, 20, "norms"),
         bench_part("dropout", "bench_dropout.py", ["--sweep", "headline,sweep", "--provider", PROVIDERS], out_dir,
                    python, 45, 20, "dropout"),
     ]
@@ -450,14 +462,41 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def child_env() -> dict:
+SYSTEM_CXX = "/usr/bin/g++"
+
+
+def child_env(cxx: str | None = None) -> dict:
+    """The parts' environment: unbuffered output, and the C++ compiler of the extension build:
+    ``cxx`` when given, else the system g++ when there is one, else the environment's CXX.
+    The system compiler wins over CXX because the images of GPU machines set CXX to a
+    relocated g++ that links a static C++ runtime, which gets the extension refused
+    (docs/backends.md)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # the log keeps every line a killed part printed
-    # docs/backends.md: a relocated g++ that links a static C++ runtime gets the extension
-    # refused; the system compiler, when there is one and nothing else was asked for, does not
-    if "CXX" not in env and Path("/usr/bin/g++").exists():
-        env["CXX"] = "/usr/bin/g++"
+    if cxx:
+        env["CXX"] = cxx
+    elif Path(SYSTEM_CXX).exists():
+        env["CXX"] = SYSTEM_CXX
     return env
+
+
+def installed_problem() -> str | None:
+    """Why this Python cannot run fasttrans from this checkout, else None. Its kernels and
+    extension sources are packages only once installed (setup.py maps kernels/ and csrc/),
+    so a bare checkout on the path would leave every fasttrans provider unavailable."""
+    try:
+        spec = importlib.util.find_spec("fasttrans.kernels")
+    except Exception as e:  # fasttrans itself failed to import
+        return f"fasttrans failed to import: {type(e).__name__}: {e}"
+    if spec is None or spec.origin is None:
+        return "fasttrans is not installed in this Python"
+    if not Path(spec.origin).resolve().is_relative_to(REPO):
+        return f"the fasttrans installed in this Python is another checkout's ({Path(spec.origin).parents[1]})"
+    return None
+
+
+INSTALL_HINT = ("install this checkout first: `make gpu-check` does, or, offline, with the machine's own torch: "
+                "python -m pip install --no-deps --no-build-isolation --no-index -e .")
 
 
 # --------------------------------------------------------------------------------------
@@ -532,7 +571,8 @@ def check_part(part: Part, script_result: tuple[int, str] | None) -> tuple[bool,
         ini = (REPO / "pytest.ini").read_text() if (REPO / "pytest.ini").exists() else ""
         if "gpu:" not in ini:
             return False, "pytest.ini declares no 'gpu' marker"
-        return True, (f"pytest-xdist {'found: -n 4' if has_module('xdist') else 'not installed: serial'}, "
+        workers = part.argv[part.argv.index("-n") + 1] if "-n" in part.argv else None
+        return True, (f"pytest-xdist {'found: -n ' + workers if workers else 'not installed: serial'}, "
                       f"pytest-timeout {'found: --timeout 90' if has_module('pytest_timeout') else 'not installed'}")
     if part.check_argv is None or script_result is None:
         return True, "nothing to check"
@@ -595,6 +635,8 @@ def env_report(out_dir: Path) -> int:
     except Exception as e:
         summary.append(f"triton       not importable ({type(e).__name__}: {e})")
     summary.append(f"CXX          {os.environ.get('CXX', '(unset)')}")
+    summary.append(f"compilers    {SYSTEM_CXX} {'found' if Path(SYSTEM_CXX).exists() else 'missing'}; "
+                   f"on PATH: g++ {shutil.which('g++')}, c++ {shutil.which('c++')}, nvcc {shutil.which('nvcc')}")
     sys.stdout.flush()
     rc = 0
     try:  # a broken import still leaves the lines above in the summary
@@ -648,6 +690,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="where the CSV rows and plots go, and the logs under gpu-check/ (default benchmarks/results)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each part's command and timeout, check scripts and options on CPU, measure nothing")
+    p.add_argument("--cxx", metavar="PATH",
+                   help=f"C++ compiler of the extension build (default {SYSTEM_CXX} when it exists, else $CXX)")
     p.add_argument("--env-report", action="store_true", help=argparse.SUPPRESS)  # the env part's own command
     p.add_argument("--check-commands", action="store_true", help=argparse.SUPPRESS)  # --dry-run's checker
     args = p.parse_args(argv)
@@ -658,10 +702,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out_dir.resolve()
     names = [n.strip() for value in args.parts for n in value.split(",") if n.strip()]
     parts = select_parts(build_parts(out_dir), names)
+    problem = installed_problem()
+    if problem:
+        print(f"gpu-check: {problem}; {INSTALL_HINT}", file=sys.stderr)
+        return 2
     if args.dry_run:
         return dry_run(parts, args.budget_s, out_dir)
 
-    env = child_env()
+    env = child_env(args.cxx)
     print(f"gpu-check: {len(parts)} parts within {args.budget_s:.0f} s; results in {out_dir}, "
           f"logs in {out_dir / 'gpu-check'}; CXX={env.get('CXX', '(unset)')}")
     sys.stdout.flush()

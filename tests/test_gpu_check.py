@@ -63,7 +63,7 @@ def test_a_script_check_that_fails_fails_the_dry_run(tmp_path):
 def test_parts_select_by_name_and_group(tmp_path):
     parts = gpu_check.build_parts(tmp_path)
     names = [p.name for p in gpu_check.select_parts(parts, ["attention", "env"])]
-    assert names == ["env", "attention-float16", "attention-bfloat16", "attention-pointer-loads"]
+    assert names == ["env", "attention-float16", "attention-pointer-loads", "attention-bfloat16"]
     assert [p.name for p in gpu_check.select_parts(parts, ["norms-float32"])] == ["norms-float32"]
 
 
@@ -72,10 +72,27 @@ def test_the_test_part_uses_xdist_and_pytest_timeout_only_when_installed(tmp_pat
         return next(p for p in gpu_check.build_parts(tmp_path, **found) if p.name == "tests").argv
 
     with_both = tests_argv(xdist=True, pytest_timeout=True)
-    assert with_both[1:8] == ("-m", "pytest", "tests", "-m", "gpu", "-q", "-x")
+    assert with_both[1:9] == ("-m", "pytest", "tests", "-m", "gpu", "-q", "--maxfail", "10")
     assert "-n" in with_both and "--timeout" in with_both
     without = tests_argv(xdist=False, pytest_timeout=False)
     assert "-n" not in without and "--timeout" not in without
+
+
+def test_the_extension_tests_run_apart_from_the_others(tmp_path):
+    parts = gpu_check.select_parts(gpu_check.build_parts(tmp_path), ["tests"])
+    assert [p.name for p in parts] == ["tests", "tests-extension"]
+    assert parts[0].argv[-2:] == ("-k", "not extension") and parts[1].argv[-2:] == ("-k", "extension")
+
+
+def test_the_checkout_is_installed_where_the_check_runs():
+    assert gpu_check.installed_problem() is None
+
+
+def test_the_extension_is_built_by_the_compiler_asked_for(monkeypatch):
+    monkeypatch.setenv("CXX", "/opt/relocated/bin/g++")
+    assert gpu_check.child_env("/some/g++")["CXX"] == "/some/g++"
+    system = Path(gpu_check.SYSTEM_CXX).exists()
+    assert gpu_check.child_env()["CXX"] == (gpu_check.SYSTEM_CXX if system else "/opt/relocated/bin/g++")
 
 
 def test_a_part_that_does_not_fit_the_budget_is_skipped_and_the_next_runs(tmp_path):
