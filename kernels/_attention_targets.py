@@ -47,7 +47,7 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
-    and dropout. Head dim = the class's largest (no padded lanes). fp32 builds use
+    and dropout; bool: a dense bool mask (contiguous last dim), causal and key lengths. Head dim = the class's largest (no padded lanes). fp32 builds use
     ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
     ``tma``: the loop's tiles through tensor descriptors (kernels/attention.py, "Loads").
     """
@@ -59,11 +59,13 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     constexprs = dict(cfg.kwargs, **extra)
     if dclass is not None:
         constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
+    masked = weight in ("heavy", "bool")
     if weight is not None:
         heavy = weight == "heavy"
-        constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=MASK_FLOAT if heavy else MASK_NONE,
+        mask_kind = {"heavy": MASK_FLOAT, "bool": MASK_BOOL}.get(weight, MASK_NONE)
+        constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=mask_kind,
                           HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
-        if heavy:
+        if masked:
             constexprs["stride_mask_n"] = 1
         if "MASK_GRAD" in kernel.arg_names:
             constexprs["MASK_GRAD"] = heavy
@@ -78,6 +80,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
         p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
         for p in params if p not in constexprs
     }
+    if weight == "bool" and "Mask" in signature:  # read as uint8
+        signature["Mask"] = "*u8"
     parts = [f"d{dclass}" if dclass else None, weight, label,
              "m{BLOCK_M}".format(**cfg.kwargs) if "BLOCK_M" in cfg.kwargs else None,
              "n{BLOCK_N}".format(**cfg.kwargs) if "BLOCK_N" in cfg.kwargs else None,

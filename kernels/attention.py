@@ -204,7 +204,18 @@ def _head_dim_class(block_d: int) -> int:
 
 
 def _weight(mask_kind: int, dropout: bool) -> str:
-    return "heavy" if mask_kind != MASK_NONE or dropout else "light"
+    """The launch's weight class (kernels/_attention_configs.py): "light" without a dense mask
+    or dropout, "bool" with a dense bool mask alone, "heavy" otherwise."""
+    if mask_kind == MASK_NONE and not dropout:
+        return "light"
+    return "bool" if mask_kind == MASK_BOOL and not dropout else "heavy"
+
+
+def _table_class(table: dict, block_d: int, weight: str) -> tuple[int, str]:
+    """(head-dim class, weight) of the entry of ``table`` (one architecture's) a launch takes:
+    the bool weight takes the heavy entry where it has none of its own."""
+    cls = (_head_dim_class(block_d), weight)
+    return cls if cls in table or weight != "bool" else (cls[0], "heavy")
 
 
 def _bucket(n: int) -> int:
@@ -1447,12 +1458,11 @@ def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
             for arch, table in configs.items() for k, cfgs in table.items()}
 
 
-_FWD_TUNED = _autotuned(_attention_fwd_kernel, {"16-bit": FWD_CONFIGS, "fp32": FWD_CONFIGS_FP32}, "FOLD_SCALE",
-                        "TMA")
-_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {"16-bit": BWD_DKDV_CONFIGS, "fp32": BWD_DKDV_CONFIGS_FP32},
-                         "OUTPUT", "TMA")
-_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {"16-bit": BWD_DQ_CONFIGS, "fp32": BWD_DQ_CONFIGS_FP32},
-                       "MASK_GRAD", "TMA")
+_TABLES = {"16-bit": {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONFIGS},
+           "fp32": {"fwd": FWD_CONFIGS_FP32, "dkdv": BWD_DKDV_CONFIGS_FP32, "dq": BWD_DQ_CONFIGS_FP32}}
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, {p: t["fwd"] for p, t in _TABLES.items()}, "FOLD_SCALE", "TMA")
+_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {p: t["dkdv"] for p, t in _TABLES.items()}, "OUTPUT", "TMA")
+_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {p: t["dq"] for p, t in _TABLES.items()}, "MASK_GRAD", "TMA")
 
 
 # --------------------------------------------------------------------------------------
@@ -1539,7 +1549,7 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec):
     q = args[0]  # every launch passes q first
     arch, precision = _gpu_arch(q.device), _precision_class(q.dtype)
     c = spec.constexprs
-    cls = (_head_dim_class(c["BLOCK_D"]), _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
+    cls = _table_class(_TABLES[precision][stage][arch], c["BLOCK_D"], _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
         spec = _spec_with(spec, INPUT_PRECISION="ieee")
     return tuned[(precision, arch, *cls)].bind(grid, args, spec, q.device.index)

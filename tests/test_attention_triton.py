@@ -648,7 +648,11 @@ def test_gpu_configurations_cover_every_class():
     for table in tables:
         assert set(table) == {"sm_80", "sm_90"}
         for arch, classes in table.items():
-            assert set(classes) == {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")}
+            # light and heavy everywhere; the bool weight where it has entries of its own (the
+            # head dims whose kernels read a bool mask's bits)
+            assert {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")} <= set(classes)
+            assert all(w == "bool" and d <= K.LISTS_MAX_HEAD_DIM.value
+                       for d, w in set(classes) - {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")})
             assert all(1 <= len(cfgs) <= 4 for cfgs in classes.values())
     for cfgs in K.FWD_CONFIGS["sm_90"].values():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
@@ -818,11 +822,16 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     # every call its site's first, so that it looks its launcher up (the arch is not keyed)
     monkeypatch.setattr(K, "_FWD_SITES", {})
     monkeypatch.setattr(K, "_BWD_SITES", {})
+    bool_mask = {"attn_mask": (torch.rand(1, 1, 8, 8) > 0.3).expand(1, 2, 8, 8)}  # as the op layer passes it
     cases = [(torch.float32, 64, {}), (torch.float32, 256, {}), (torch.float32, 128, {"dropout_p": 0.1}),
-             (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1})]
+             (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1}),
+             (torch.float16, 64, bool_mask), (torch.bfloat16, 128, bool_mask), (torch.float32, 64, bool_mask),
+             (torch.float16, 64, dict(bool_mask, dropout_p=0.1))]
+    # a bool mask alone takes the bool entries of sm_90's 16-bit tables, the heavy ones elsewhere
+    bool_entries = {(64, "dq"), (128, "dkdv"), (128, "dq")} if arch == "sm_90" else set()
     for dtype, D, extra in cases:
         q, k, v = (torch.randn(1, 2, 8, D, dtype=dtype) for _ in range(3))
-        args = dict(attn_mask=None, key_lengths=None, is_causal=False, causal_offset=0,
+        args = dict(attn_mask=extra.get("attn_mask"), key_lengths=None, is_causal=False, causal_offset=0,
                     dropout_p=extra.get("dropout_p", 0.0), scale=0.1, seed=0)
         calls.clear()
         K.attention_fwd(q, k, v, *args.values())
@@ -830,10 +839,12 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
         K.attention_bwd(torch.ones_like(q), q, k, v, out, lse, *args.values(), False)
         stages = ["fwd", "dq"] + ["dkdv"] * len(K.dkdv_outputs(D))  # dK/dV reads what dQ writes
         assert len(calls) == len(stages)
-        weight = "heavy" if extra else "light"
         for stage, (key, constexprs) in zip(stages, calls):
             precision = "fp32" if dtype == torch.float32 else "16-bit"
-            assert key == (precision, arch, D, weight)
+            weight = "heavy" if extra else "light"
+            if set(extra) == {"attn_mask"} and precision == "16-bit" and (D, stage) in bool_entries:
+                weight = "bool"
+            assert key == (precision, arch, D, weight), stage
             expected = K.input_precision(dtype)
             if dtype == torch.float32 and (D, weight) in K.FP32_IEEE_CLASSES[stage][arch]:
                 expected = "ieee"
