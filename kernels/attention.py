@@ -90,7 +90,11 @@ score, the words loaded with the keys' pipeline);
 the rest of the row (the tile that full_end cuts, the causal diagonal) runs by the map. A
 listed partial tile's key tiles that the mask forbids entirely load no keys or values. The
 loops carry the next entries of their list (_list_window) so that no load of keys waits on
-the load of its index. Head dims above LISTS_MAX_HEAD_DIM keep the map alone.
+the load of its index. Head dims above LISTS_MAX_HEAD_DIM keep the map alone. The dK/dV
+kernel has no lists: a key tile whose query tiles, from its first live one to its last, are
+all full in every head of its kv group (a padding mask's live keys) runs its loops as without
+a mask, reading no map code and no mask; any other runs every tile by the map (3xTF32
+launches always do: the copy of the loops would spill there).
 
 The dK/dV kernel computes transposed, S^T = K Q^T (key rows, query columns), so that every
 one of its matmuls has the key tile as the M dimension: Hopper's wgmma needs M >= 64, and
@@ -358,6 +362,20 @@ def _live_span(codes, step, lo, hi, span):
         first = tl.where(live, tl.minimum(first, i), first)
         end = tl.where(live, tl.maximum(end, i + 1), end)
     return first, end
+
+
+@triton.jit
+def _live_full_span(codes, step, lo, hi, span, full):
+    """_live_span, and full plus the number of full codes (live, not dense) it read: where a
+    span's full tiles number its length, every tile in it is full and no mask need be read."""
+    first, end = span
+    for i in range(lo, hi):
+        code = tl.load(codes + i * step)
+        live = (code & MAP_LIVE) != 0
+        first = tl.where(live, tl.minimum(first, i), first)
+        end = tl.where(live, tl.maximum(end, i + 1), end)
+        full += (code == MAP_LIVE).to(tl.int32)
+    return (first, end), full
 
 
 @triton.jit
@@ -1065,6 +1083,37 @@ def _attention_bwd_dkdv_inner(
 
 
 @triton.jit
+def _attention_bwd_dkdv_loops(
+    acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
+    bounds,  # (lo, split, mid, end): query tiles [lo, split) and [mid, end) masked per element
+    Lq, causal_offset, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, OUTPUT: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):
+    """A key tile's three loops over query tiles (arguments as _attention_bwd_dkdv_inner's)."""
+    lo, split, mid, end = bounds
+    acc = _attention_bwd_dkdv_inner(
+        acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
+        lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
+        INPUT_PRECISION, TMA,
+    )
+    acc = _attention_bwd_dkdv_inner(
+        acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
+        split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
+        INPUT_PRECISION, TMA,
+    )
+    return _attention_bwd_dkdv_inner(  # empty where rescale: nothing of it lives across the loops
+        acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
+        mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
+        INPUT_PRECISION, TMA,
+    )
+
+
+@triton.jit
 def _attention_bwd_dkdv_kernel(
     Q,  # (B, H, Lq, D) queries, stride(-1) == 1
     K, V,  # (B, Hkv, Lk, D) keys and values, stride(-1) == 1
@@ -1129,13 +1178,20 @@ def _attention_bwd_dkdv_kernel(
     lo = tl.minimum(lo, end)
     codes, row_stride = _map_codes(TileMap + off_b * stride_map_b, stride_map_m, map_unit, BLOCK_M, BLOCK_N)
     Codes_col = codes + start_n // BLOCK_N
+    # whether every query tile left to this key tile is full in every head of the group: the
+    # loops then run as without a mask (a padding mask's live columns, say). Not in 3xTF32
+    # launches, whose operand halves leave no registers for the second copy of the loops.
+    UNMASKED_COPY: tl.constexpr = MASK_KIND != 0 and INPUT_PRECISION != "tf32x3"
+    unmasked = False
     if MASK_KIND != 0:  # narrowed to the first and last live query tile of any head of the group
         span = (end // BLOCK_M, lo // BLOCK_M)
+        full = 0
         for g in range(0, GROUP):
-            span = _live_span(Codes_col + (off_hkv * GROUP + g) * stride_map_h, row_stride, lo // BLOCK_M,
-                              end // BLOCK_M, span)
+            span, full = _live_full_span(Codes_col + (off_hkv * GROUP + g) * stride_map_h, row_stride,
+                                         lo // BLOCK_M, end // BLOCK_M, span, full)
         lo = tl.maximum(lo, span[0] * BLOCK_M)
         end = tl.maximum(tl.minimum(end, span[1] * BLOCK_M), lo)
+        unmasked = full == GROUP * ((end - lo) // BLOCK_M)
     split = tl.minimum(tl.maximum(split, lo), end)
     mid = tl.maximum(split, tl.minimum(end, Lq // BLOCK_M * BLOCK_M))  # [mid, end): Lq's partial tile
     qk_scale = scale * LOG2E
@@ -1163,24 +1219,17 @@ def _attention_bwd_dkdv_kernel(
     rescale = _any_set(Exact + (off_b * H + off_hkv * GROUP) * exact_blocks, GROUP * exact_blocks)
     split = tl.where(rescale, end, split)
     mid = tl.where(rescale, end, mid)
-    dk, dv = _attention_bwd_dkdv_inner(
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
-        lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
-    )
-    dk, dv = _attention_bwd_dkdv_inner(
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
-        split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
-    )
-    dk, dv = _attention_bwd_dkdv_inner(  # empty where rescale: nothing of it lives across the loops
-        (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
-        mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
-    )
+    bounds = (lo, split, mid, end)
+    if UNMASKED_COPY and unmasked:
+        dk, dv = _attention_bwd_dkdv_loops(
+            (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale, bounds,
+            Lq, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT,
+            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA)
+    else:
+        dk, dv = _attention_bwd_dkdv_loops(
+            (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale, bounds,
+            Lq, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT,
+            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA)
 
     dk = dk * scale
     store_ok = (cols < Lk)[:, None]

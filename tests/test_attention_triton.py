@@ -113,6 +113,25 @@ def test_masks_match_reference(kind, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bool", "float", "bool+causal"])
+def test_dense_mask_key_columns_with_and_without_partial_tiles(kind, device):
+    """The dK/dV kernel runs a key tile's loops as without a mask where every query tile left
+    to it is full in every head of its group: key columns all allowed, or all allowed but in
+    one head of a group, one with a partial block, one with a dead block between live ones,
+    and padding."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 70, 160, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=device)
+    allowed[:, 1, :, 32:64] = torch.rand(B, Lq, 32, device=device) > 0.3  # one head of the first group
+    allowed[:, :, 20:40, 64:96] = torch.rand(B, H, 20, 32, device=device) > 0.5  # a partial block
+    allowed[:, :, 32:64, 96:128] = False  # a dead block between live ones
+    allowed[:, :, :, 140:] = False  # padding
+    mask = allowed if kind.startswith("bool") else \
+        torch.zeros(B, H, Lq, Lk, device=device).masked_fill(~allowed, float("-inf"))
+    _check(q, k, v, dict(attn_mask=mask, is_causal=kind.endswith("causal")))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["none", "bool+key_lengths+causal", "float+causal_br"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_low_precision_within_twice_torch_error(dtype, kind, device):
