@@ -47,8 +47,9 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
-    and dropout; bool: a dense bool mask (contiguous last dim), causal and key lengths. Head dim = the class's largest (no padded lanes). fp32 builds use
-    ``precision`` as tl.dot's input precision (default: 3xTF32, what fp32 launches use).
+    and dropout; bool: a dense bool mask (contiguous last dim), causal and key lengths. Head
+    dim = the class's largest (no padded lanes). fp32 builds use ``precision`` as tl.dot's
+    input precision (default: 3xTF32, what fp32 launches use).
     ``tma``: the loop's tiles through tensor descriptors (kernels/attention.py, "Loads").
     """
     label = extra.pop("label", None)  # a name part of the config, not a constexpr
@@ -59,13 +60,12 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
     constexprs = dict(cfg.kwargs, **extra)
     if dclass is not None:
         constexprs.update(HEAD_DIM=dclass, BLOCK_D=dclass)
-    masked = weight in ("heavy", "bool")
     if weight is not None:
         heavy = weight == "heavy"
         mask_kind = {"heavy": MASK_FLOAT, "bool": MASK_BOOL}.get(weight, MASK_NONE)
         constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=mask_kind,
                           HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=heavy)
-        if masked:
+        if mask_kind != MASK_NONE:
             constexprs["stride_mask_n"] = 1
         if "MASK_GRAD" in kernel.arg_names:
             constexprs["MASK_GRAD"] = heavy
