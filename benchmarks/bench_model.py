@@ -594,8 +594,27 @@ PLOT_TITLES = {"hf": ("Hugging Face models: fasttrans apply() vs attn_implementa
                                "attn_implementation sdpa, same weights", "attn_implementation='sdpa'")}
 
 
+def print_kernel_profiles(cfg: Config, results, top: int) -> None:
+    """Where the GPU time of a step goes, per provider that ran (common.kernel_profile)."""
+    inputs = cfg.inputs()
+    for r in results:
+        if r.status != "ok":
+            continue
+        entry = next(e for e in cfg.entries if e.key == (r.provider, r.variant))
+        print(f"  kernels of one step, {r.label}:")
+        try:
+            for line in common.kernel_profile(entry.make(inputs), top):
+                print(f"    {line}")
+        except Exception as e:
+            print(f"    profile failed: {type(e).__name__}: {e}")
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     parser = common.make_parser(__doc__)
+    parser.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                        help="CUDA: after each training step of the hf sweep, print each provider's N longest "
+                             "GPU kernels per step (torch.profiler)")
     args = common.parse_args(parser, argv)
     missing = placeholders()
     if missing:
@@ -606,7 +625,9 @@ def main(argv=None) -> int:
 
     bench = common.Bench("model", args)
     for cfg in configs(bench):
-        bench.run(cfg)
+        results = bench.run(cfg)
+        if args.kernel_profile and bench.device == "cuda" and cfg.sweep == "hf" and cfg.mode == "train step":
+            print_kernel_profiles(cfg, results, args.kernel_profile)
 
     # one figure per sweep, as the other benchmarks draw them: a run of some sweeps replaces
     # their figures and leaves the others' as the last full run drew them

@@ -408,6 +408,26 @@ def _time_cold(fn: Callable[[], Any], calls: int, flush: Callable[[], None]) -> 
     return total / calls
 
 
+def kernel_profile(fn: Callable[[], Any], top: int, calls: int = 3) -> list[str]:
+    """The ``top`` GPU kernels of one call of ``fn`` by their summed time (torch.profiler),
+    as lines "ms per call, launches per call, name", then the total of every kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and e.key != "Memset (Device)"),
+                     key=lambda e: -e.device_time_total)
+    lines = [f"{e.device_time_total / calls / 1e3:9.3f} ms {e.count / calls:6.1f}x  {e.key[:90]}"
+             for e in kernels[:top]]
+    total = sum(e.device_time_total for e in kernels) / calls / 1e3
+    lines.append(f"{total:9.3f} ms in {sum(e.count for e in kernels) / calls:.0f} kernel launches per call in all")
+    return lines
+
+
 def measure_interleaved(fns: dict[Any, Callable[[], Any]], device: str, plan: TimingPlan,
                         flush: Callable[[], None] | None = None) -> dict[Any, Timing | BaseException]:
     """Time every function in ``fns`` in interleaved rounds; a function that raises gets its exception.

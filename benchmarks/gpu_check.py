@@ -14,7 +14,8 @@ questions need most first; the budget cuts from the end):
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
                BERT-base-shaped and Llama-shaped training steps and Llama generate(), and a
                small training step of each of the six tested families, fasttrans's apply()
-               against attn_implementation "sdpa" (and "eager"); skipped without transformers
+               against attn_implementation "sdpa" (and "eager"), and the 12 longest GPU
+               kernels of each provider's hf training steps; skipped without transformers
     model      training step of the demo (digits-average) model and of the base model
     attention  then fp16 at L 4096 with the forward's keys and values by pointer loads
                instead of TMA (rows marked "pointer loads"), and the bf16 sweep
@@ -170,7 +171,8 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
                    120, 40, "attention"),
         # needs transformers (the test extra); without it the sweep's rows say UNAVAILABLE
         bench_part("hf", "bench_model.py",
-                   ["--sweep", "hf,hf-families", "--dtype", "bfloat16", "--provider", PROVIDERS],
+                   ["--sweep", "hf,hf-families", "--dtype", "bfloat16", "--provider", PROVIDERS,
+                    "--kernel-profile", "12"],
                    out_dir, python, 120, 40, "hf"),
         # headline: the demo (digits-average) model's training step; train: the base model's,
         # a CUDA-only sweep, so the CPU check lists the headline alone

@@ -567,3 +567,11 @@ def test_host_cost_quick_run_times_the_triton_path_through_the_stand_in_driver(t
             else:
                 assert r["error"].strip(), r
     assert "Headline" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_kernel_profile_names_the_kernels_of_a_call_and_their_total():
+    a = torch.randn(512, 512, device="cuda")
+    lines = common.kernel_profile(lambda: (a @ a).relu_(), top=1, calls=2)
+    assert len(lines) == 2 and "ms" in lines[0] and "kernel launches per call in all" in lines[-1]
+    assert float(lines[-1].split()[0]) > 0
