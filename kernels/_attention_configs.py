@@ -37,19 +37,22 @@ def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> 
 # every matmul to mma.sync (sm_80) / wgmma (sm_90). wgmma needs a matmul M dimension >= 64:
 # the query tile in the forward and dQ kernels, the key tile in the dK/dV kernel (which
 # computes transposed for that reason).
-# A third weight, "bool" (a dense bool mask without dropout: its partial tiles read the mask's
-# bits, its full tiles no mask at all), has entries where compile-check found tiles larger than
-# the heavy ones without spills, under Triton 3.9 and 3.6 alike; elsewhere it takes the heavy
-# entry (attention._table_class).
+# Two more weights, "bool" (a dense bool mask without dropout: its partial tiles read the mask's
+# bits, its full tiles no mask at all) and "dropout" (dropout without a dense mask), have
+# entries where compile-check found tiles larger than the heavy ones, with fewer SASS
+# instructions per score and no spills, under Triton 3.9 and 3.6 alike; elsewhere they take
+# the heavy entry (attention._table_class).
 FWD_CONFIGS = {
     # sm_90 16-bit light entries load their loop's tiles through TMA where the layout allows
     # (attention._tma_layout) and by cp.async elsewhere: compile-check builds both
     "sm_90": {  # light 16-bit entries: the ones with the fewest SASS instructions per score in the loop
         (64, "light"): [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 2)],
         (64, "heavy"): [_cfg(64, 64, 4, 2)],
+        (64, "dropout"): [_cfg(128, 128, 8, 2), _cfg(128, 64, 8, 2)],
         # key tiles of 64 take more SASS per score than 128 (compile-check)
         (128, "light"): [_cfg(128, 128, 8, 2)],
         (128, "heavy"): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+        (128, "dropout"): [_cfg(128, 64, 8, 2)],
         (256, "light"): [_cfg(128, 32, 8, 1), _cfg(128, 64, 8, 2)],
         (256, "heavy"): [_cfg(64, 16, 4, 1)],
     },
@@ -97,9 +100,11 @@ BWD_DQ_CONFIGS = {
         (64, "light"): [_cfg(128, 128, 8, 2)],
         (64, "heavy"): [_cfg(64, 16, 4, 1)],  # key tiles of 32 spill beside the loops over listed tiles
         (64, "bool"): [_cfg(128, 64, 8, 2)],
+        (64, "dropout"): [_cfg(128, 64, 8, 2)],
         (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (128, "bool"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
+        (128, "dropout"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (256, "light"): [_cfg(128, 32, 8, 2)],
         (256, "heavy"): [_cfg(32, 16, 4, 2)],  # mma.sync: every 64-row tile spills
     },

@@ -209,17 +209,18 @@ def _head_dim_class(block_d: int) -> int:
 
 def _weight(mask_kind: int, dropout: bool) -> str:
     """The launch's weight class (kernels/_attention_configs.py): "light" without a dense mask
-    or dropout, "bool" with a dense bool mask alone, "heavy" otherwise."""
-    if mask_kind == MASK_NONE and not dropout:
-        return "light"
+    or dropout, "bool" with a dense bool mask alone, "dropout" with dropout alone, "heavy"
+    otherwise."""
+    if mask_kind == MASK_NONE:
+        return "dropout" if dropout else "light"
     return "bool" if mask_kind == MASK_BOOL and not dropout else "heavy"
 
 
 def _table_class(table: dict, block_d: int, weight: str) -> tuple[int, str]:
     """(head-dim class, weight) of the entry of ``table`` (one architecture's) a launch takes:
-    the bool weight takes the heavy entry where it has none of its own."""
+    the bool and dropout weights take the heavy entry where they have none of their own."""
     cls = (_head_dim_class(block_d), weight)
-    return cls if cls in table or weight != "bool" else (cls[0], "heavy")
+    return cls if cls in table or weight in ("light", "heavy") else (cls[0], "heavy")
 
 
 def _bucket(n: int) -> int:

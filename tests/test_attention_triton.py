@@ -667,10 +667,10 @@ def test_gpu_configurations_cover_every_class():
     for table in tables:
         assert set(table) == {"sm_80", "sm_90"}
         for arch, classes in table.items():
-            # light and heavy everywhere; the bool weight where it has entries of its own (the
-            # head dims whose kernels read a bool mask's bits)
+            # light and heavy everywhere; the bool and dropout weights where they have entries of
+            # their own (bool: at the head dims whose kernels read a bool mask's bits)
             assert {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")} <= set(classes)
-            assert all(w == "bool" and d <= K.LISTS_MAX_HEAD_DIM.value
+            assert all(w == "dropout" or (w == "bool" and d <= K.LISTS_MAX_HEAD_DIM.value)
                        for d, w in set(classes) - {(d, w) for d in (64, 128, 256) for w in ("light", "heavy")})
             assert all(1 <= len(cfgs) <= 4 for cfgs in classes.values())
     for cfgs in K.FWD_CONFIGS["sm_90"].values():
@@ -845,9 +845,11 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     cases = [(torch.float32, 64, {}), (torch.float32, 256, {}), (torch.float32, 128, {"dropout_p": 0.1}),
              (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1}),
              (torch.float16, 64, bool_mask), (torch.bfloat16, 128, bool_mask), (torch.float32, 64, bool_mask),
-             (torch.float16, 64, dict(bool_mask, dropout_p=0.1))]
-    # a bool mask alone takes the bool entries of sm_90's 16-bit tables, the heavy ones elsewhere
-    bool_entries = {(64, "dq"), (128, "dkdv"), (128, "dq")} if arch == "sm_90" else set()
+             (torch.float16, 64, dict(bool_mask, dropout_p=0.1)), (torch.float16, 64, {"dropout_p": 0.1})]
+    # a bool mask alone, or dropout alone, takes the bool or dropout entries of sm_90's 16-bit
+    # tables, the heavy ones elsewhere
+    own_entries = {"bool": {(64, "dq"), (128, "dkdv"), (128, "dq")},
+                   "dropout": {(64, "fwd"), (128, "fwd"), (64, "dq"), (128, "dq")}} if arch == "sm_90" else {}
     for dtype, D, extra in cases:
         q, k, v = (torch.randn(1, 2, 8, D, dtype=dtype) for _ in range(3))
         args = dict(attn_mask=extra.get("attn_mask"), key_lengths=None, is_causal=False, causal_offset=0,
@@ -861,8 +863,9 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
         for stage, (key, constexprs) in zip(stages, calls):
             precision = "fp32" if dtype == torch.float32 else "16-bit"
             weight = "heavy" if extra else "light"
-            if set(extra) == {"attn_mask"} and precision == "16-bit" and (D, stage) in bool_entries:
-                weight = "bool"
+            alone = {frozenset({"attn_mask"}): "bool", frozenset({"dropout_p"}): "dropout"}.get(frozenset(extra))
+            if alone and precision == "16-bit" and (D, stage) in own_entries.get(alone, ()):
+                weight = alone
             assert key == (precision, arch, D, weight), stage
             expected = K.input_precision(dtype)
             if dtype == torch.float32 and (D, weight) in K.FP32_IEEE_CLASSES[stage][arch]:
