@@ -8,7 +8,7 @@ questions need most first; the budget cuts from the end):
     tests      ``pytest tests -m gpu`` (pytest-xdist workers when installed, at most ten
                failures, --timeout with pytest-timeout)
     host       benchmarks/bench_host.py, when the checkout has it
-    attention  fp16, D 64/128, L 1024/4096, masks none/causal/key_padding/dense_padding/
+    attention  fp16, D 64/128, L 128/1024/4096, masks none/causal/key_padding/dense_padding/
                dense_bool, fwd and fwd+bwd, the Triton backend against
                F.scaled_dot_product_attention
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
@@ -17,9 +17,11 @@ questions need most first; the budget cuts from the end):
                against attn_implementation "sdpa" (and "eager"), and the 12 longest GPU
                kernels of each provider's hf training steps; skipped without transformers
     model      training step of the demo (digits-average) model and of the base model
+    norms      4096 x {1024, 8192} in fp32, layer_norm / add_layer_norm / rms_norm
+    tests      then the extension's GPU tests
     attention  then fp16 at L 4096 with the forward's keys and values by pointer loads
                instead of TMA (rows marked "pointer loads"), and the bf16 sweep
-    norms      4096 x {1024, 8192}, fp16 and fp32, layer_norm / add_layer_norm / rms_norm
+    norms      then fp16
     dropout    the dropout sweeps, when time remains
 
 Every benchmark part appends its rows to ``<out-dir>/<device>.csv`` (benchmarks/common.py),
@@ -152,7 +154,8 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
     # and those failures would stop the Triton kernels' tests
     extension_tests = (*tests, "-k", "extension")
     tests += ["-k", "not extension"]
-    attention = ["--sweep", "sweep", "--head-dim", "64,128", "--seq-len", "1024,4096",
+    # L 128: the B=128 H=32 D=64 shape of the host-cost goals, launch-bound
+    attention = ["--sweep", "sweep", "--head-dim", "64,128", "--seq-len", "128,1024,4096",
                  "--mask", "none,causal,key_padding,dense_padding,dense_bool", "--mode", "fwd,fwd+bwd",
                  "--provider", TRITON_PROVIDERS]
     pointer_loads = ["--dtype", "float16", "--loads", "pointer", "--sweep", "sweep", "--head-dim", "64,128",
@@ -168,7 +171,7 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
         # compiling the layer's kernels, cold, takes most of it
         bench_part("host", "bench_host.py", [], out_dir, python, 90, 20, "host"),
         bench_part("attention-float16", "bench_attention.py", ["--dtype", "float16", *attention], out_dir, python,
-                   120, 40, "attention"),
+                   150, 40, "attention"),
         # needs transformers (the test extra); without it the sweep's rows say UNAVAILABLE
         bench_part("hf", "bench_model.py",
                    ["--sweep", "hf,hf-families", "--dtype", "bfloat16", "--provider", PROVIDERS,
@@ -178,6 +181,9 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
         # a CUDA-only sweep, so the CPU check lists the headline alone
         bench_part("model", "bench_model.py", ["--sweep", "headline,train", "--provider", PROVIDERS], out_dir,
                    python, 90, 45, "model", check_args=["--sweep", "headline", "--provider", PROVIDERS]),
+        # the layer_norm 4096 x 1024 fp32 forward of the host-cost goals
+        bench_part("norms-float32", "bench_layernorm.py", ["--dtype", "float32", *norms], out_dir, python,
+                   45, 20, "norms"),
         Part("tests-extension", extension_tests, 90, 30, group="tests", show_lines=3),
         # the forward's keys and values by pointer loads: against attention-float16's rows
         bench_part("attention-pointer-loads", "bench_attention.py", [*pointer_loads, "4096"], out_dir, python, 60, 30,
@@ -185,8 +191,6 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
         bench_part("attention-bfloat16", "bench_attention.py", ["--dtype", "bfloat16", *attention], out_dir, python,
                    90, 40, "attention"),
         bench_part("norms-float16", "bench_layernorm.py", ["--dtype", "float16", *norms], out_dir, python,
-                   45, 20, "norms"),
-        bench_part("norms-float32", "bench_layernorm.py", ["--dtype", "float32", *norms], out_dir, python,
                    45, 20, "norms"),
         bench_part("dropout", "bench_dropout.py", ["--sweep", "headline,sweep", "--provider", PROVIDERS], out_dir,
                    python, 45, 20, "dropout"),
