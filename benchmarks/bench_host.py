@@ -212,17 +212,7 @@ def configs(bench, sweeps, modes, masks, dtype):
 # --------------------------------------------------------------------------------------
 def kernel_time_s(fn, calls: int = 20) -> float:
     """Summed duration of the GPU kernels one call of fn launches (torch.profiler), per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-                   and e.key not in ("Memset (Device)",))
-    return total_us / calls / 1e6
+    return sum(e.device_time_total for e in common.cuda_kernel_events(fn, calls)) / calls / 1e6
 
 
 def add_kernel_rows(bench, cfg: Config, results) -> None:

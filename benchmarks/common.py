@@ -408,9 +408,9 @@ def _time_cold(fn: Callable[[], Any], calls: int, flush: Callable[[], None]) -> 
     return total / calls
 
 
-def kernel_profile(fn: Callable[[], Any], top: int, calls: int = 3) -> list[str]:
-    """The ``top`` GPU kernels of one call of ``fn`` by their summed time (torch.profiler),
-    as lines "ms per call, launches per call, name", then the total of every kernel."""
+def cuda_kernel_events(fn: Callable[[], Any], calls: int) -> list:
+    """torch.profiler's averages of the GPU kernels that ``calls`` calls of ``fn`` launch
+    (after one call outside the profile), longest summed time first; memsets left out."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -419,8 +419,14 @@ def kernel_profile(fn: Callable[[], Any], top: int, calls: int = 3) -> list[str]
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and e.key != "Memset (Device)"),
-                     key=lambda e: -e.device_time_total)
+    return sorted((e for e in prof.key_averages() if e.device_time_total > 0 and e.key != "Memset (Device)"),
+                  key=lambda e: -e.device_time_total)
+
+
+def kernel_profile(fn: Callable[[], Any], top: int, calls: int = 3) -> list[str]:
+    """The ``top`` GPU kernels of one call of ``fn`` by their summed time (torch.profiler),
+    as lines "ms per call, launches per call, name", then the total of every kernel."""
+    kernels = cuda_kernel_events(fn, calls)
     lines = [f"{e.device_time_total / calls / 1e3:9.3f} ms {e.count / calls:6.1f}x  {e.key[:90]}"
              for e in kernels[:top]]
     total = sum(e.device_time_total for e in kernels) / calls / 1e3
