@@ -575,3 +575,21 @@ def test_kernel_profile_names_the_kernels_of_a_call_and_their_total():
     lines = common.kernel_profile(lambda: (a @ a).relu_(), top=1, calls=2)
     assert len(lines) == 2 and "ms" in lines[0] and "kernel launches per call in all" in lines[-1]
     assert float(lines[-1].split()[0]) > 0
+
+
+def test_kernel_profiles_print_each_provider_that_ran_with_its_step_time(monkeypatch, capsys):
+    from benchmarks import bench_model
+
+    calls = []
+    monkeypatch.setattr(common, "kernel_profile", lambda fn, top: calls.append((fn(), top)) or ["  1.000 ms  1.0x  k"])
+    entries = [types.SimpleNamespace(key=(name, variant), make=lambda inp, name=name: lambda: name)
+               for name, variant in (("fasttrans-triton", ""), ("torch", "sdpa"), ("torch", "eager"))]
+    cfg = types.SimpleNamespace(inputs=lambda: None, entries=entries)
+    results = [common.Result(cfg, "fasttrans-triton", "", "ok", timing=common.Timing([0.002])),
+               common.Result(cfg, "torch", "sdpa", "ok", timing=common.Timing([0.001])),
+               common.Result(cfg, "torch", "eager", "error", error="failed")]
+    bench_model.print_kernel_profiles(cfg, results, 5)
+    out = capsys.readouterr().out
+    assert calls == [("fasttrans-triton", 5), ("torch", 5)]
+    assert "fasttrans-triton (2.000 ms a step, wall)" in out and "torch [sdpa] (1.000 ms a step, wall)" in out
+    assert "eager" not in out
