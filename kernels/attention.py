@@ -1750,7 +1750,8 @@ def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.T
     m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, R - m.shape[2]))
     # key j = 64 g + 32 byte + 8 k + 2 word + half: bit 2 k + half of the word's byte
     m = m.reshape(Bm, Hm, R, words // 4, 2, 4, 4, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
+    # made on the device: a tensor copied from the host would synchronise with a GPU
+    weights = torch.bitwise_left_shift(1, torch.arange(8, dtype=torch.uint8, device=m.device))
     packed = (m.reshape(*m.shape[:-2], 8) * weights).sum(-1, dtype=torch.uint8)  # (..., g, word, byte)
     packed = torch.nn.functional.pad(packed, (0, 2)).reshape(Bm, Hm, R, words * 4).view(torch.int32)
     out.view(Bm, Hm, rows, list_tile, words).copy_(

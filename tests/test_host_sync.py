@@ -5,7 +5,8 @@ every queued kernel. The GPU suite checks whole calls under
 ``torch.cuda.set_sync_debug_mode("error")`` (tests/test_attention_triton.py,
 tests/test_nn_transformer.py). Without a GPU the same code runs through the stand-in CUDA
 driver (benchmarks/standin_cuda.py) on CPU tensors; this test makes every way of reading a
-tensor's value raise there and runs each op's forward and backward on the Triton path, first
+tensor's value raise there, and every copy of host data to a device by torch.tensor, and
+runs each op's forward and backward on the Triton path, first
 calls (compile, tune, bind) and bound calls alike. Key lengths are passed to the kernels
 directly: the public op checks lengths that live on the host, which costs no synchronisation
 (docs/semantics.md); dropout seeds are drawn from torch's CPU generator, a host value too.
@@ -57,14 +58,26 @@ cases = {
     "layer_norm without grad": lambda: fasttrans.layer_norm(x.detach(), 1000, w.detach(), b.detach()),
     "dropout": grad_of(lambda: fasttrans.functional.dropout(x, 0.3), x),
 }
+# torch.tensor(data, device=...) copies host data to the device, which waits for it on a GPU
+saved_tensor = torch.tensor
+
+
+def tensor_on_device(data, *args, **kwargs):
+    if kwargs.get("device") is not None:
+        raise HostRead("torch.tensor copied host data to a device")
+    return saved_tensor(data, *args, **kwargs)
+
+
 def refusing():
     for name in READS:
         setattr(torch.Tensor, name, refuse(name))
+    torch.tensor = tensor_on_device
 
 
 def allowing():
     for name, method in saved.items():
         setattr(torch.Tensor, name, method)
+    torch.tensor = saved_tensor
 
 
 # A dropout seed is drawn from torch's CPU generator, a value that lives on the host whatever
@@ -86,6 +99,11 @@ refusing()
 try:
     torch.ones(1).item()
     raise AssertionError("Tensor.item did not raise")
+except HostRead:
+    pass
+try:
+    torch.tensor([1], device="cpu")
+    raise AssertionError("torch.tensor(device=...) did not raise")
 except HostRead:
     pass
 with fasttrans.use_backend("triton"):
