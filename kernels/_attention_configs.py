@@ -37,8 +37,8 @@ def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> 
 # every matmul to mma.sync (sm_80) / wgmma (sm_90). wgmma needs a matmul M dimension >= 64:
 # the query tile in the forward and dQ kernels, the key tile in the dK/dV kernel (which
 # computes transposed for that reason).
-# Two more weights, "bool" (a dense bool mask without dropout: its partial tiles read the mask's
-# bits, its full tiles no mask at all) and "dropout" (dropout without a dense mask), have
+# Two more weights, "bool" (a dense bool mask, with or without dropout: its partial tiles read
+# the mask's bits, its full tiles no mask at all) and "dropout" (dropout without a dense mask), have
 # entries where compile-check found tiles larger than the heavy ones, with fewer SASS
 # instructions per score and no spills, under Triton 3.9 and 3.6 alike; elsewhere they take
 # the heavy entry (attention._table_class).

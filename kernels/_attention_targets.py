@@ -47,8 +47,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
 
     light: causal + key lengths; heavy: a float mask of the input dtype (contiguous last dim,
     which Triton's launcher specialises as the constant 1), its gradient, causal, key lengths
-    and dropout; bool: a dense bool mask (contiguous last dim), causal and key lengths;
-    dropout: dropout, causal and key lengths. Head dim = the class's largest (no padded lanes). fp32 builds use ``precision`` as tl.dot's
+    and dropout; bool: a dense bool mask (contiguous last dim), causal, key lengths and
+    dropout; dropout: dropout, causal and key lengths. Head dim = the class's largest (no padded lanes). fp32 builds use ``precision`` as tl.dot's
     input precision (default: 3xTF32, what fp32 launches use).
     ``tma``: the loop's tiles through tensor descriptors (kernels/attention.py, "Loads").
     """
@@ -64,7 +64,7 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
         heavy = weight == "heavy"
         mask_kind = {"heavy": MASK_FLOAT, "bool": MASK_BOOL}.get(weight, MASK_NONE)
         constexprs.update(DOT_FP32=False, INPUT_PRECISION=precision, MASK_KIND=mask_kind,
-                          HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=weight in ("heavy", "dropout"))
+                          HAS_KEY_LENGTHS=True, IS_CAUSAL=True, HAS_DROPOUT=weight in ("heavy", "bool", "dropout"))
         if mask_kind != MASK_NONE:
             constexprs["stride_mask_n"] = 1
         if "MASK_GRAD" in kernel.arg_names:

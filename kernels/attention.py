@@ -209,11 +209,11 @@ def _head_dim_class(block_d: int) -> int:
 
 def _weight(mask_kind: int, dropout: bool) -> str:
     """The launch's weight class (kernels/_attention_configs.py): "light" without a dense mask
-    or dropout, "bool" with a dense bool mask alone, "dropout" with dropout alone, "heavy"
-    otherwise."""
+    or dropout, "dropout" with dropout alone, "bool" with a dense bool mask (and dropout or
+    not), "heavy" with a float mask."""
     if mask_kind == MASK_NONE:
         return "dropout" if dropout else "light"
-    return "bool" if mask_kind == MASK_BOOL and not dropout else "heavy"
+    return "bool" if mask_kind == MASK_BOOL else "heavy"
 
 
 def _table_class(table: dict, block_d: int, weight: str) -> tuple[int, str]:

@@ -846,8 +846,8 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
              (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1}),
              (torch.float16, 64, bool_mask), (torch.bfloat16, 128, bool_mask), (torch.float32, 64, bool_mask),
              (torch.float16, 64, dict(bool_mask, dropout_p=0.1)), (torch.float16, 64, {"dropout_p": 0.1})]
-    # a bool mask alone, or dropout alone, takes the bool or dropout entries of sm_90's 16-bit
-    # tables, the heavy ones elsewhere
+    # a bool mask (with dropout or not), or dropout alone, takes the bool or dropout entries of
+    # sm_90's 16-bit tables, the heavy ones elsewhere
     own_entries = {"bool": {(64, "dq"), (128, "dkdv"), (128, "dq")},
                    "dropout": {(64, "fwd"), (128, "fwd"), (64, "dq"), (128, "dq")}} if arch == "sm_90" else {}
     for dtype, D, extra in cases:
@@ -863,7 +863,8 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
         for stage, (key, constexprs) in zip(stages, calls):
             precision = "fp32" if dtype == torch.float32 else "16-bit"
             weight = "heavy" if extra else "light"
-            alone = {frozenset({"attn_mask"}): "bool", frozenset({"dropout_p"}): "dropout"}.get(frozenset(extra))
+            alone = {frozenset({"attn_mask"}): "bool", frozenset({"attn_mask", "dropout_p"}): "bool",
+                     frozenset({"dropout_p"}): "dropout"}.get(frozenset(extra))
             if alone and precision == "16-bit" and (D, stage) in own_entries.get(alone, ()):
                 weight = alone
             assert key == (precision, arch, D, weight), stage
