@@ -8,6 +8,9 @@ back to back, per backend, against torch's eager op at the same shape:
     attention   (B, H, L, D) = (1, 1, 16, 64): no mask, causal, key lengths, a dense bool mask
     layer       a TransformerEncoderLayer (d_model 256, 4 heads, batch 1, 8 tokens), fasttrans.nn
                 against torch.nn
+    hf          a Hugging Face BERT (hidden 64, 4 heads, 2 layers, batch 2, 16 tokens, 25% right
+                padding, dropout 0.1 in training), its masked-LM loss, fasttrans's apply() against
+                attn_implementation "sdpa"; needs transformers
 each forward without gradients (fwd) and forward+backward (fwd+bwd).
 
 On a machine without a GPU (--device cpu, the default there) the Triton provider launches
@@ -29,7 +32,10 @@ means the call is bound by the host.
 from __future__ import annotations
 
 import contextvars
+import copy
+import dataclasses
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -42,13 +48,15 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from benchmarks import common  # noqa: E402
 from benchmarks.common import Config, Entry  # noqa: E402
 
-SWEEPS = ("norms", "attention", "layer")
+SWEEPS = ("norms", "attention", "layer", "hf")
 MODES = ("fwd", "fwd+bwd")
 MASKS = ("none", "causal", "key_lengths", "bool")
 NORM_OPS = ("layer_norm", "add_layer_norm", "rms_norm")
 N = 1024
 ATTN_SHAPE = (1, 1, 16, 64)
 LAYER = dict(d_model=256, nhead=4, batch=1, tokens=8)
+HF_BERT = dict(name="bert", vocab=256, hidden=64, heads=4, kv_heads=4, ffn=128, layers=2)
+HF_BATCH, HF_TOKENS = 2, 16
 
 
 def _pinned(backend: str, fn):
@@ -182,6 +190,47 @@ def layer_config(bench, mode: str, dtype: torch.dtype) -> Config:
     return _config(bench, "layer", None, "TransformerEncoderLayer", mode, dtype, params, inputs, make)
 
 
+def hf_config(bench, mode: str, dtype: torch.dtype, unavailable: str | None) -> Config:
+    from benchmarks import bench_model
+
+    spec = types.SimpleNamespace(**HF_BERT)
+    shared = bench_model.hf_inputs(spec, HF_BATCH, HF_TOKENS, bench.device, dtype, padding=bench_model.HF_PADDING)
+
+    def inputs():
+        import fasttrans.integrations.transformers as ftt
+
+        data = shared()
+        ours, skipped = ftt.apply(copy.deepcopy(data.model))
+        if skipped:
+            raise RuntimeError(f"apply() left modules as they were: {skipped}")
+        for model in (ours, data.model):
+            model.train(mode == "fwd+bwd")  # training: with dropout, as a training step runs
+        return dict(data=data, ours=ours, theirs=data.model)
+
+    def make(library, backend=None):
+        def build(inp):
+            model, data = inp["ours"] if library == "fasttrans" else inp["theirs"], inp["data"]
+            if mode == "fwd":
+                def fn():
+                    with torch.no_grad():
+                        return bench_model.hf_loss(model, data)
+            else:
+                params = list(model.parameters())
+
+                def fn():
+                    return torch.autograd.grad(bench_model.hf_loss(model, data), params, allow_unused=True)
+            return _pinned(backend, fn) if backend else fn
+        return build
+
+    params = dict(model="bert", hidden=spec.hidden, heads=spec.heads, layers=spec.layers, batch=HF_BATCH,
+                  tokens=HF_TOKENS, padding=f"{bench_model.HF_PADDING:.0%}")
+    cfg = _config(bench, "hf", None, "BertForMaskedLM", mode, dtype, params, inputs, make)
+    if unavailable:  # every row says why: transformers is missing
+        cfg.entries[:] = [dataclasses.replace(e, provider=dataclasses.replace(e.provider, unavailable=unavailable))
+                          for e in cfg.entries]
+    return cfg
+
+
 def _config(bench, sweep, backend_op, op, mode, dtype, params, inputs, make) -> Config:
     entries = []
     for p in bench.providers(backend_op):
@@ -205,6 +254,12 @@ def configs(bench, sweeps, modes, masks, dtype):
     if "layer" in sweeps:
         for mode in modes[-1:] if quick else modes:
             yield layer_config(bench, mode, dtype)
+    if "hf" in sweeps:
+        from benchmarks import bench_model
+
+        unavailable = bench_model.hf_unavailable()
+        for mode in modes[-1:] if quick else modes:
+            yield hf_config(bench, mode, dtype, unavailable)
 
 
 # --------------------------------------------------------------------------------------

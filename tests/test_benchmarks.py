@@ -555,7 +555,7 @@ def test_host_cost_quick_run_times_the_triton_path_through_the_stand_in_driver(t
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     (csv_path,) = tmp_path.glob("*.csv")
     rows = [r for r in _read_csv(csv_path) if r["benchmark"] == "host"]
-    assert {r["sweep"] for r in rows} == {"norms", "attention", "layer"}
+    assert {r["sweep"] for r in rows} == {"norms", "attention", "layer", "hf"}
     for cfg in {(r["sweep"], r["op"], r["mode"], r["params"]) for r in rows}:
         mine = {r["provider"]: r for r in rows if (r["sweep"], r["op"], r["mode"], r["params"]) == cfg}
         assert mine["torch"]["status"] == "ok", cfg
