@@ -159,7 +159,7 @@ def build_parts(out_dir: Path, python: str = sys.executable, xdist: bool | None 
                  "--mask", "none,causal,key_padding,dense_padding,dense_bool", "--mode", "fwd,fwd+bwd",
                  "--provider", TRITON_PROVIDERS]
     pointer_loads = ["--dtype", "float16", "--loads", "pointer", "--sweep", "sweep", "--head-dim", "64,128",
-                     "--mask", "none,causal", "--mode", "fwd,fwd+bwd", "--provider", "fasttrans-triton,torc[h]",
+                     "--mask", "none,causal", "--mode", "fwd,fwd+bwd", "--provider", TRITON_PROVIDERS,
                      "--seq-len"]
     norms = ["--sweep", "sweep", "--hidden", "1024,8192", "--op", "layer_norm,add_layer_norm,rms_norm",
              "--mode", "fwd,fwd+bwd", "--provider", PROVIDERS]

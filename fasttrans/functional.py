@@ -691,13 +691,9 @@ def add_layer_norm(
     return _norm(x, residual, weight, bias, eps, False, shape[0])
 
 
-# rms_norm's eps=None: the machine epsilon of the accumulation dtype (reference.accumulation_dtype)
-_RMS_DEFAULT_EPS = {
-    torch.float16: torch.finfo(torch.float32).eps,
-    torch.bfloat16: torch.finfo(torch.float32).eps,
-    torch.float32: torch.finfo(torch.float32).eps,
-    torch.float64: torch.finfo(torch.float64).eps,
-}
+# rms_norm's eps=None: the machine epsilon of the accumulation dtype, per input dtype
+_RMS_DEFAULT_EPS = {dtype: torch.finfo(_reference.accumulation_dtype(torch.empty(0, dtype=dtype))).eps
+                    for dtype in _FLOAT_DTYPES}
 
 
 def rms_norm(

@@ -354,21 +354,11 @@ def _tile_flags(Code, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
-def _live_span(codes, step, lo, hi, span):
-    """span = (first, end) widened to the live codes among codes[i * step], i in [lo, hi):
-    tiles outside [first, end) of every span a loop merges are skipped, nothing loaded."""
-    first, end = span
-    for i in range(lo, hi):
-        live = (tl.load(codes + i * step) & MAP_LIVE) != 0
-        first = tl.where(live, tl.minimum(first, i), first)
-        end = tl.where(live, tl.maximum(end, i + 1), end)
-    return first, end
-
-
-@triton.jit
 def _live_full_span(codes, step, lo, hi, span, full):
-    """_live_span, and full plus the number of full codes (live, not dense) it read: where a
-    span's full tiles number its length, every tile in it is full and no mask need be read."""
+    """span = (first, end) widened to the live codes among codes[i * step], i in [lo, hi)
+    (tiles outside [first, end) of every span a loop merges are skipped, nothing loaded), and
+    full plus the number of full codes (live, not dense) it read: where a span's full tiles
+    number its length, every tile in it is full and no mask need be read."""
     first, end = span
     for i in range(lo, hi):
         code = tl.load(codes + i * step)
@@ -377,6 +367,13 @@ def _live_full_span(codes, step, lo, hi, span, full):
         end = tl.where(live, tl.maximum(end, i + 1), end)
         full += (code == MAP_LIVE).to(tl.int32)
     return (first, end), full
+
+
+@triton.jit
+def _live_span(codes, step, lo, hi, span):
+    """_live_full_span's span alone (the count is computed and dropped)."""
+    span, _ = _live_full_span(codes, step, lo, hi, span, tl.full((), 0, tl.int32))
+    return span
 
 
 @triton.jit
