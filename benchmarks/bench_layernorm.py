@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import fasttrans
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable for `benchmarks`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: see tests/conftest.py
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import Config, Entry  # noqa: E402

@@ -662,7 +662,7 @@ def env_report(out_dir: Path) -> int:
                     why = backend.unavailable_reason("cuda", op)
                     states.append(f"{op} {'ok' if why is None else 'NO: ' + why[:80]}")
                 summary.append(f"{bname:12s} on cuda: {'; '.join(states)}")
-        sys.path.insert(0, str(REPO))
+        sys.path.append(str(REPO))
         from benchmarks.common import FIELDS
 
         for f in sorted(out_dir.glob("*.csv")):  # the benchmarks refuse to append to such a file

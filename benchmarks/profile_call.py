@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils import benchmark as torch_benchmark
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: see tests/conftest.py
 import fasttrans  # noqa: E402
 import fasttrans.kernels  # noqa: E402
 from benchmarks import bench_attention, common  # noqa: E402

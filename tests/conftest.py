@@ -8,6 +8,13 @@ Tests marked ``gpu`` run only with ``pytest -m gpu`` (the default run deselects 
 import os
 import sys
 
+# `python -m pytest` puts the working directory, the repository root, first on sys.path,
+# where the source directory kernels/ (installed as fasttrans.kernels) would shadow the
+# `kernels` package that transformers (>= 5.25) imports. Tests that need the root's
+# `benchmarks` scripts append it at the end (tests/helpers.py, REPO_PATH).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
+
 # OpenMP threads that spin while they wait make the suite many times slower on a machine
 # shared with another busy process (tests/README.md); libgomp reads this when torch loads
 # it, and the tests' subprocesses inherit it.

@@ -342,7 +342,7 @@ def run_through_standin_driver(code: str, timeout: int = 900) -> str:
     """Run ``code`` in a child process with the stand-in driver active and launch plans on;
     returns its output, failing the test with the child's output when it fails."""
     repo = Path(__file__).resolve().parents[1]
-    preamble = "import sys\nsys.path.insert(0, sys.argv[1])\nfrom benchmarks import standin_cuda\nstandin_cuda.activate()\n"
+    preamble = "import sys\nsys.path[:] = [p for p in sys.path if p]\nsys.path.append(sys.argv[1])\nfrom benchmarks import standin_cuda\nstandin_cuda.activate()\n"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTTRANS_TRITON_PLANS")}
     proc = subprocess.run([sys.executable, "-c", preamble + code, str(repo)], capture_output=True, text=True,
                           env=env, timeout=timeout)

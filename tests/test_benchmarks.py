@@ -20,7 +20,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `benchmarks` is a directory of scripts, not an installed package
+sys.path.append(str(REPO))  # `benchmarks` is a directory of scripts; last: see conftest.py
 
 from benchmarks import common  # noqa: E402
 

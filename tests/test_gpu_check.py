@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `benchmarks` is a directory of scripts, not an installed package
+sys.path.append(str(REPO))  # `benchmarks` is a directory of scripts; last: see conftest.py
 
 from benchmarks import gpu_check  # noqa: E402
 from benchmarks.gpu_check import Part  # noqa: E402
