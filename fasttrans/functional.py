@@ -336,7 +336,7 @@ def attention(
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if (type(dropout_p) is float and dropout_p == 0.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
+    if (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
             and _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0
             and _dispatch_stack_len is not None and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
         try:
@@ -344,7 +344,13 @@ def attention(
         except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
             common = None
         if common is not None:  # the backend checks the rest of the common case and runs it natively
-            out = common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+            if dropout_p == 0.0:
+                out = common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+            else:  # where the backend takes dropout there (the Triton sites), it draws the seed once it runs
+                with_dropout = getattr(common, "dropout", None)
+                out = None if with_dropout is None else with_dropout(
+                    q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM, dropout_p,
+                    _draw_seed)
             if out is not None:
                 return out[0]
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)

@@ -2068,16 +2068,17 @@ _CONTIGUOUS = torch.contiguous_format
 
 
 class AttentionSite:
-    """The launches of one kind of public attention call without dropout: q (B, H, Lq, D)
+    """The launches of one kind of public attention call: q (B, H, Lq, D)
     and k, v (B, Hkv, Lk, D) strided with unit inner stride; the mask None, bool, or float in
     q's dtype or fp32, broadcastable to (B, H, Lq, Lk) and read through the strides of that
     broadcast (never expanded per call); key lengths None or (B,) integers. Lk and the
     causal offset are the call's own, within the classes the site was made for (see
-    :func:`attention_site`): decoding over a growing key/value cache keeps one site. Made by
-    :func:`attention_site`; ``forward`` and ``backward`` launch."""
+    :func:`attention_site`): decoding over a growing key/value cache keeps one site. Dropout
+    launches are kept per (dropout_p, the seed's integer class), which Triton specialises
+    on. Made by :func:`attention_site`; ``forward`` and ``backward`` launch."""
 
     __slots__ = ("B", "H", "Lq", "D", "is_causal", "scale", "bool_mask", "q_contiguous", "lse_like", "kernel",
-                 "q_strides", "bwd_sites")
+                 "dropout_kernels", "q_strides", "bwd_sites")
 
     def __init__(self, q, attn_mask, is_causal: bool):
         self.B, self.H, self.Lq, self.D = B, H, Lq, D = q.shape
@@ -2087,6 +2088,7 @@ class AttentionSite:
         self.q_contiguous = q.is_contiguous()
         self.lse_like = expansion(torch.float32, q.device, (B, H, Lq))
         self.kernel = None  # the forward's (launch, ints, tail, map geometry), from its first call
+        self.dropout_kernels: dict = {}  # the same with dropout, by (dropout_p, the seed's int_class)
         self.q_strides = q.stride()[:3]
         self.bwd_sites: dict = {}  # backward launches by the output gradient's layout, Lk and offset
 
@@ -2103,12 +2105,16 @@ class AttentionSite:
         """key_lengths as the contiguous int32 (B,) tensor the kernels read."""
         return None if key_lengths is None else _lengths_operand(key_lengths, self.lse_like)
 
-    def forward(self, q, k, v, attn_mask, key_lengths, causal_offset: int, scale):
-        """(out (B, H, Lq, D), lse (B, H, Lq) fp32), as attention_fwd returns them."""
-        kernel = self.kernel
+    def forward(self, q, k, v, attn_mask, key_lengths, causal_offset: int, scale, dropout_p: float = 0.0,
+                seed: int = 0):
+        """(out (B, H, Lq, D), lse (B, H, Lq) fp32), as attention_fwd returns them; dropout_p
+        a float in [0, 1), seed an int (fasttrans.functional draws it)."""
+        kernel = self.kernel if dropout_p == 0.0 else self.dropout_kernels.get((dropout_p, int_class(seed)))
         if kernel is None:
-            return self._first(q, k, v, attn_mask, key_lengths, causal_offset, scale)
+            return self._first(q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed)
         launch, ints, tail, geometry = kernel
+        if dropout_p != 0.0:
+            tail = (tail[0], seed, tail[2], tail[3])
         Lk = k.shape[2]
         out = _empty_like(q) if self.q_contiguous else _empty_like(q, memory_format=_CONTIGUOUS)
         lse = _empty_like(self.lse_like)
@@ -2119,34 +2125,43 @@ class AttentionSite:
                                              and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
         args = (q, k, v, out, lse, mask, tmap, lists, kl, *self.q_strides, *ints, Lk,
                 max(-self.Lq, min(causal_offset, Lk)),
-                self.scale if scale is None else scale, 0.0, *tail)
+                self.scale if scale is None else scale, dropout_p, *tail)
         with on_device(q):
             launch(args)
         return out, lse
 
-    def _first(self, q, k, v, attn_mask, key_lengths, causal_offset, scale):
+    def _first(self, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed):
         Lk = k.shape[2]
         offset, scale = self.offset(causal_offset, Lk), self.scale if scale is None else scale
         mask, kl = self.mask(attn_mask, Lk), self.lengths(key_lengths)
-        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0)
+        out, lse = attention_fwd(q, k, v, mask, kl, self.is_causal, offset, dropout_p, scale, seed)
         # the kernel site just made (absent where attention_fwd keeps none): later calls
         # launch it; its key holds the same classes of Lk and the offset as this site's
-        self.kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, 0.0, scale, 0))
+        kernel = _FWD_SITES.get(_fwd_key(q, k, v, mask, kl, self.is_causal, offset, dropout_p, scale, seed))
+        if dropout_p == 0.0:
+            self.kernel = kernel
+        elif kernel is not None:
+            if len(self.dropout_kernels) >= 8:  # a dropout_p that changes call by call: start over
+                self.dropout_kernels.clear()
+            self.dropout_kernels[(dropout_p, int_class(seed))] = kernel
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset: int, scale):
-        """(dq, dk, dv) of what :meth:`forward` returned. dout has out's shape, dtype and
-        device, as autograd hands gradients over; only its layout and alignment vary."""
+    def backward(self, dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset: int, scale,
+                 dropout_p: float = 0.0, seed: int = 0):
+        """(dq, dk, dv) of what :meth:`forward` returned (with its dropout_p and seed). dout
+        has out's shape, dtype and device, as autograd hands gradients over; only its layout
+        and alignment vary."""
         if dout.stride(3) != 1:
             dout = dout.contiguous()
         Lk = k.shape[2]
         offset = self.offset(causal_offset, Lk)
-        key = (dout.stride(), _data_ptr(dout) & 15, Lk, offset)
+        key = (dout.stride(), _data_ptr(dout) & 15, Lk, offset,
+               None if dropout_p == 0.0 else (dropout_p, int_class(seed)))
         # the full-shape mask only for a first call, which reads its strides
         mask = attn_mask if key in self.bwd_sites else self.mask(attn_mask, Lk)
         dq, dk, dv, _ = _attention_bwd(key, self.bwd_sites, dout, q, k, v, out, lse, mask, self.lengths(key_lengths),
-                                       self.is_causal, offset, 0.0, self.scale if scale is None else scale, 0,
-                                       False)
+                                       self.is_causal, offset, dropout_p, self.scale if scale is None else scale,
+                                       seed, False)
         return dq, dk, dv
 
 
@@ -2156,7 +2171,7 @@ _INT32_END = 2**31
 
 def attention_site(q, k, v, attn_mask, key_lengths, is_causal: bool, causal_offset: int, scale: float | None,
                    max_head_dim: int, common_case) -> AttentionSite | None:
-    """The :class:`AttentionSite` of a public attention call without dropout, or None where
+    """The :class:`AttentionSite` of a public attention call, or None where
     the call is not of that kind (the general route takes it, and reports what is invalid).
     The tensors must be plain (no subclass), is_causal a bool, causal_offset an int, scale
     None or a finite float. Looked up by the tensors' shapes (k's and v's without their

@@ -272,6 +272,66 @@ def _public_attention_matches_the_registered_op(case, dtype):
                                    if backend == "extension" else f"attention_fwd_{backend}_eagerBackward")
 
 
+def _seed_of_class(divisible: bool) -> int:
+    """A torch.manual_seed value after which fasttrans draws a dropout seed that is (or is
+    not) divisible by 16: an integer class Triton specialises on."""
+    for s in range(1000):
+        torch.manual_seed(s)
+        if (fasttrans.functional._draw_seed(0.5) % 16 == 0) == divisible:
+            return s
+    raise AssertionError("no such seed in 1000 tries")
+
+
+@pytest.mark.parametrize("dtype, backend", _common_case_backends("attention", (torch.float32,)))
+@pytest.mark.parametrize("mask", ["none", "bool_causal"])
+def test_public_attention_with_dropout_matches_the_registered_op(mask, dtype, backend, monkeypatch):
+    """Dropout in a public attention call (the Triton launch sites take it; other backends
+    the general route): the seed is drawn once, as the general route draws it, and output
+    and gradients equal the registered op's with that seed, bit for bit, for seeds of
+    both integer classes, on a site's first and later calls."""
+    from fasttrans.kernels.attention import AttentionSite
+
+    sited = []
+    forward = AttentionSite.forward
+    monkeypatch.setattr(AttentionSite, "forward", lambda site, *args: sited.append(args[-2:]) or forward(site, *args))
+    p = 0.3
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 16
+    q, k, v = torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype), \
+        torch.randn(B, Hkv, Lk, D, dtype=dtype)
+    dout = torch.randn(B, H, Lq, D, dtype=dtype)
+    attn_mask = None if mask == "none" else torch.rand(B, 1, Lq, Lk) > 0.3
+    is_causal = mask == "bool_causal"
+    with _forced(backend):
+        op = backends.forward_op(backends.select_backend("attention", "cpu", dtype).name, "attention")
+        for divisible in (False, True, False):
+            manual = _seed_of_class(divisible)
+            torch.manual_seed(manual)
+            seed = fasttrans.functional._draw_seed(p)
+            results = []
+            for call in ("registered", "public"):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                torch.manual_seed(manual)
+                if call == "registered":
+                    out = op(*leaves, None if attn_mask is None else attn_mask.expand(B, H, Lq, Lk), None, is_causal,
+                             0, p, D ** -0.5, seed)[0]
+                else:
+                    out = fasttrans.attention(*leaves, attn_mask=attn_mask, is_causal=is_causal, dropout_p=p)
+                    # one seed drawn: the generator stands where one draw leaves it
+                    after = torch.randint(0, 2**31 - 1, (1,)).item()
+                    torch.manual_seed(manual)
+                    fasttrans.functional._draw_seed(p)
+                    assert after == torch.randint(0, 2**31 - 1, (1,)).item()
+                results.append(([out.detach()], torch.autograd.grad((out * dout).sum(), leaves)))
+            _assert_same(*results)
+            plain = fasttrans.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+            assert not torch.allclose(results[0][0][0], plain)  # the dropout acted
+    if backend == "triton":  # every public call launched from a site, with the drawn seed
+        sited = [args for args in sited if args[0] != 0.0]  # not the calls without dropout
+        assert len(sited) == 3 and all(args == (p, s) for args, s in zip(
+            sited, [(torch.manual_seed(_seed_of_class(d)), fasttrans.functional._draw_seed(p))[1]
+                    for d in (False, True, False)]))
+
+
 @pytest.mark.parametrize("backend", backend_params("dropout"))
 def test_dropout_routes_agree(backend):
     x = torch.randn(64, 33)

@@ -328,36 +328,41 @@ _INF = float("inf")
 
 
 def _site_attention_common(name: str, forced: str | None, attention_site: Callable) -> Callable:
-    """:func:`_site_norm_common` for attention without dropout (``attention_site``, the
-    Triton kernels'). A float mask that needs a gradient takes the general route."""
+    """:func:`_site_norm_common` for attention (``attention_site``, the Triton kernels'). A
+    float mask that needs a gradient takes the general route. ``common.dropout`` takes the
+    calls with dropout: the same arguments, then dropout_p (a float in (0, 1)) and the
+    function that draws the seed, called only once the call is known to be of the site's
+    kind, so the general route never draws a second one."""
 
-    def forward(ctx, site, q, k, v, attn_mask, key_lengths, causal_offset, scale):
-        out, lse = site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale)
+    def forward(ctx, site, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed):
+        out, lse = site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
-        ctx.site, ctx.args = site, (causal_offset, scale)
+        ctx.site, ctx.args = site, (causal_offset, scale, dropout_p, seed)
         return out
 
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
-        site, (causal_offset, scale) = ctx.site, ctx.args
+        site, (causal_offset, scale, dropout_p, seed) = ctx.site, ctx.args
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
             _check_second_order("attention", name, forced)
             Lk = k.shape[2]
             mask, lengths, offset = site.mask(attn_mask, Lk), site.lengths(key_lengths), site.offset(causal_offset, Lk)
             dq, dk, dv = _grad_with_graph(
                 lambda q, k, v: reference.ReferenceImpl.attention_fwd(
-                    q, k, v, mask, lengths, site.is_causal, offset, 0.0, site.scale if scale is None else scale, 0)[0],
+                    q, k, v, mask, lengths, site.is_causal, offset, dropout_p,
+                    site.scale if scale is None else scale, seed)[0],
                 (q, k, v), ctx.needs_input_grad[1:4], (dout,))
         else:
-            dq, dk, dv = site.backward(dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset, scale)
-        return None, dq, dk, dv, None, None, None, None
+            dq, dk, dv = site.backward(dout, q, k, v, out, lse, attn_mask, key_lengths, causal_offset, scale,
+                                       dropout_p, seed)
+        return None, dq, dk, dv, None, None, None, None, None, None
 
     function = type(f"attention_fwd_{name}_eager", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     apply = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
     grad_enabled = torch.is_grad_enabled
 
-    def common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim):
+    def site_of(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim):
         if (type(k) not in PLAIN_TENSORS or type(v) not in PLAIN_TENSORS
                 or (attn_mask is not None and type(attn_mask) not in PLAIN_TENSORS)
                 or (key_lengths is not None and type(key_lengths) not in PLAIN_TENSORS)
@@ -372,14 +377,28 @@ def _site_attention_common(name: str, forced: str | None, attention_site: Callab
             lengths = key_lengths.tolist()
             if min(lengths) < 0 or max(lengths) > k.shape[2]:
                 return None
-        if grad_enabled():
-            if attn_mask is not None and attn_mask.requires_grad:
-                return None
-            if q.requires_grad or k.requires_grad or v.requires_grad:
-                return apply(site, q, k, v, attn_mask, key_lengths, causal_offset, scale), None
-        return site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale)
+        if grad_enabled() and attn_mask is not None and attn_mask.requires_grad:
+            return None
+        return site
+
+    def run(site, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed):
+        if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return apply(site, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed), None
+        return site.forward(q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed)
+
+    def common(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim):
+        site = site_of(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim)
+        return None if site is None else run(site, q, k, v, attn_mask, key_lengths, causal_offset, scale, 0.0, 0)
+
+    def dropout(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim, dropout_p,
+                draw_seed):
+        site = site_of(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim)
+        if site is None:
+            return None
+        return run(site, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, draw_seed(dropout_p))
 
     common.function = function
+    common.dropout = dropout
     return common
 
 
