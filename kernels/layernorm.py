@@ -666,11 +666,13 @@ def norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms):
         return _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, _BWD_SITES)
 
 
-def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
+def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict, rows: tuple | None = None):
     """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
-    every argument but the tensors' addresses (see kernels/_launch.py, "Call sites")."""
+    every argument but the tensors' addresses (see kernels/_launch.py, "Call sites"). h, dy
+    and dh are (M, N) rows, or, with ``rows`` = (M, N) and a site under ``key``, contiguous
+    tensors of any shape holding them (dx comes back in h's shape)."""
     site = sites.get(key)
-    M, N = h.shape
+    M, N = h.shape if rows is None else rows
     if site is not None:
         launches, num_partials, rows_per_program, groups, partial_like, row_like = site
         w, b, mean = weight, None if rms else bias, None if rms else mean
@@ -711,7 +713,7 @@ def _norm_bwd(dy, dh, h, weight, bias, mean, rstd, rms, key, sites: dict):
     args = (
         (h, _or(w, h), dy, _or(dh, dy), dx, _or(mean, rstd), rstd, _or(sum_dxhat_xhat, rstd), _or(sum_dxhat, rstd),
          _or(sum_xhat, rstd), _or(dw_partial, rstd), _or(db_partial, rstd),
-         h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0),
+         *((h.stride(0), dy.stride(0), _or(dh, dy).stride(0), dx.stride(0)) if rows is None else (N, N, N, N)),
          M, N, rows_per_program),
         (_or(dw_partial, rstd), _or(db_partial, rstd), _or(dw, rstd), _or(db, rstd), num_partials, N)
         if not direct and (w is not None or b is not None) else None,
@@ -842,13 +844,17 @@ class NormSite:
         if dh is not None and not dh.is_contiguous():
             dh = dh.contiguous()
         key = (_data_ptr(dy) & 15, None if dh is None else _data_ptr(dh) & 15)
+        bias = None if self.rms else bias
+        if key in self.bwd_sites:  # the launches read the rows of the tensors as they are
+            with on_device(h):
+                return _norm_bwd(dy, dh, h, weight, bias, mean, rstd, self.rms, key, self.bwd_sites,
+                                 (self.M, self.N))
         if not self.rows:
             M, N = self.M, self.N
             dy, h = dy.view(M, N), h.view(M, N)
             dh = None if dh is None else dh.view(M, N)
         with on_device(h):
-            dx, dw, db = _norm_bwd(dy, dh, h, weight, None if self.rms else bias, mean, rstd, self.rms, key,
-                                   self.bwd_sites)
+            dx, dw, db = _norm_bwd(dy, dh, h, weight, bias, mean, rstd, self.rms, key, self.bwd_sites)
         return (dx if self.rows else dx.view(self.shape)), dw, db
 
 
