@@ -246,6 +246,25 @@ def test_unpadded_causal_and_padded_masks_take_the_cheap_forms(monkeypatch):
         assert all(c["attn_mask"].dtype == torch.bool and c["key_lengths"].tolist() == LENGTHS for c in calls)
 
 
+@pytest.mark.parametrize("kv_length", [6, 8])  # 8: past the 2-D mask, which transformers pads with False
+def test_bidirectional_padding_mask_is_a_view_with_sdpa_mask_values(kv_length):
+    """An encoder's padding mask comes back as the 2-D mask's view broadcast over the queries
+    (one row of tiles for the kernels), with the values transformers' sdpa_mask builds."""
+    mu = transformers.masking_utils
+    padding = torch.tensor([[True] * 6, [False, True, True, True, False, False]])
+    kw = dict(batch_size=2, q_length=5, kv_length=kv_length, mask_function=mu.bidirectional_mask_function,
+              attention_mask=padding, allow_is_causal_skip=False, allow_is_bidirectional_skip=True)
+    got = ftt.attention_mask(**kw)
+    want = mu.sdpa_mask(**{**kw, "allow_is_bidirectional_skip": False})
+    assert got.shape == want.shape == (2, 1, 5, kv_length) and got.stride(2) == 0
+    assert torch.equal(got, want)
+    if kv_length == 6:
+        assert got.data_ptr() == padding.data_ptr()  # not copied
+    # another mask function (here vmap-built) keeps transformers' own mask
+    built = ftt.attention_mask(**{**kw, "use_vmap": True})
+    assert built.stride(2) != 0 and torch.equal(built, want)
+
+
 def test_cached_decoding_uses_a_bottom_right_causal_offset(monkeypatch):
     calls = []
     real = fasttrans.functional.attention

@@ -17,6 +17,8 @@ function can say the same with flags:
     -------------------------------------------------  ------------------------------------
     causal, no padding, last query on the last key     is_causal, causal_offset = Lk - Lq
     bidirectional, no padding                          no mask
+    bidirectional, 2-D padding mask                    attn_mask = the padding mask, (B, 1, 1, Lk)
+                                                         expanded over the queries, plus key_lengths
     anything else (padding, caches with other          attn_mask (bool), plus key_lengths =
       offsets, sliding windows, packed sequences,        one past the last key any query may
       custom 2-D or 4-D masks)                           see (whole tiles of right padding skipped)
@@ -130,8 +132,9 @@ def attention_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """transformers' mask function for ``"fasttrans"``: None where :func:`attention_forward`
-    can say the mask with ``is_causal`` (bottom-right aligned) or no mask, else transformers'
-    own bool mask (``masking_utils.sdpa_mask``: True = may attend), always built."""
+    can say the mask with ``is_causal`` (bottom-right aligned) or no mask; a bidirectional
+    mask with padding as the (B, 1, 1, Lk) padding mask expanded over the queries (a view);
+    else transformers' own bool mask (``masking_utils.sdpa_mask``: True = may attend)."""
     mu = _transformers().masking_utils
     if mask_function is None:
         mask_function = mu.causal_mask_function
@@ -143,9 +146,16 @@ def attention_mask(
                    and q_offset + q_length == kv_offset + kv_length)
         if aligned and _no_padding(padding, kv_length, kv_offset):
             return None
-    if mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip:
-        if _no_padding(padding, kv_length, kv_offset):
+    if mask_function is mu.bidirectional_mask_function:
+        if allow_is_bidirectional_skip and _no_padding(padding, kv_length, kv_offset):
             return None
+        if (padding is not None and padding.dim() == 2 and not kwargs.get("use_vmap")
+                and type(q_offset) is int and q_offset >= 0 and type(kv_offset) is int):
+            # every query sees the same keys: sdpa_mask's values as a view of the padding
+            # mask broadcast over the queries (the kernels map one row of tiles for it)
+            keys = padding[:, kv_offset:kv_offset + kv_length].to(device=kwargs.get("device", padding.device),
+                                                                  dtype=torch.bool)
+            return keys[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
     return mu.sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
@@ -178,7 +188,8 @@ def _key_lengths(mask: torch.Tensor, batch: int, kv_length: int) -> torch.Tensor
         seen = _lengths_of.get(mask, batch)
         if seen is not None:
             return seen
-    visible = mask.any(dim=2).any(dim=1)  # (b, Lk)
+    rows = mask[:, :, :1] if mask.shape[2] and mask.stride(2) == 0 else mask  # a mask broadcast over queries: one row
+    visible = rows.any(dim=2).any(dim=1)  # (b, Lk)
     positions = torch.arange(1, kv_length + 1, device=mask.device)
     lengths = (visible * positions).amax(dim=-1).expand(batch)
     if eager:
