@@ -794,6 +794,18 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     torch's own). Forward saves a one-byte keep mask; backward draws no random numbers.
     ``p == 0`` or ``training=False`` return the input; ``p == 1`` zeroes it.
     """
+    if (type(input) in _PLAIN_TENSORS and type(p) is float and 0.0 < p < 1.0 and training is True
+            and not inplace and not _is_compiling() and _functorch.maybe_current_level() is None
+            and getattr(_fwAD, "_current_level", 0) < 0 and _dispatch_stack_len is not None
+            and not _dispatch_stack_len() and input.dtype in _FLOAT_DTYPES):
+        try:
+            common = backends.selected_route("dropout", input.device, input.dtype)[4]
+        except (backends.BackendUnavailableError, ValueError):  # the general route says so, after its checks
+            common = None
+        if common is not None:  # the backend's launch sites (the Triton kernels'), which draw the seed
+            out = common(input, p, _draw_seed)
+            if out is not None:
+                return out[0]
     p = _validate_dropout(input, p)
     if not training or p == 0.0:
         return input

@@ -53,10 +53,10 @@ import triton.language as tl
 
 from fasttrans.dropout_spec import FLAT_DOMAIN, dropout_threshold
 
-from . import cdiv, on_device
+from . import cdiv, expansion, on_device
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
-__all__ = ["dropout_fwd", "dropout_bwd", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
+__all__ = ["dropout_fwd", "dropout_bwd", "dropout_site", "DropoutSite", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
            "CONFIG"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -272,6 +272,71 @@ def _launch_at(sites: dict, key, launch, launcher: Launcher, numel: int, cfg: Dr
                            x.device.index)
     if key is not None:
         remember(sites, key, launch)
+
+
+# --------------------------------------------------------------------------------------
+# Public calls (fasttrans.functional's common case, through fasttrans.backends)
+# --------------------------------------------------------------------------------------
+_empty_like = torch.empty_like
+_data_ptr = torch.Tensor.data_ptr
+
+
+class DropoutSite:
+    """The launches of one kind of public dropout call: a contiguous x of a supported dtype
+    with at least one element, and 0 < p < 1. Forward launches are kept per integer class
+    of the seed (which Triton specialises on), backward ones per alignment of the gradient.
+    Made by :func:`dropout_site`; ``forward`` and ``backward`` launch."""
+
+    __slots__ = ("p", "numel", "threshold", "scale", "keep_like", "fwd", "bwd")
+
+    def __init__(self, x: torch.Tensor, p: float):
+        self.p, self.numel, self.threshold, self.scale = p, x.numel(), dropout_threshold(p), dropout_scale(p)
+        self.keep_like = expansion(torch.uint8, x.device, tuple(x.shape))  # keep's template (see expansion)
+        self.fwd: dict = {}
+        self.bwd: dict = {}
+
+    def forward(self, x: torch.Tensor, seed: int):
+        """(y, keep as uint8), as dropout_fwd returns them (keep viewed as bool there)."""
+        launch = self.fwd.get(int_class(seed))
+        if launch is None:
+            y, keep = dropout_fwd(x, self.p, seed)
+            self.fwd[int_class(seed)] = _FWD_SITES.get((sig(x), self.p, int_class(seed)))
+            return y, keep.view(torch.uint8)
+        y, keep = _empty_like(x), _empty_like(self.keep_like)
+        with on_device(x):
+            launch((x, y, keep, self.numel, seed, self.threshold, self.scale))
+        return y, keep
+
+    def backward(self, dy: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """dx of what :meth:`forward` returned; dy has y's shape, dtype and device."""
+        if not dy.is_contiguous():  # gradients often arrive expanded (stride 0)
+            dy = dy.contiguous()
+        align = _data_ptr(dy) & 15
+        launch = self.bwd.get(align)
+        if launch is None:
+            dx = dropout_bwd(dy, keep, self.p)
+            self.bwd[align] = _BWD_SITES.get((sig(dy), sig(keep), self.p))
+            return dx
+        dx = _empty_like(dy)
+        with on_device(dy):
+            launch((dy, keep, dx, self.numel, self.scale))
+        return dx
+
+
+_DROPOUT_SITES: dict = {}
+
+
+def dropout_site(x: torch.Tensor, p: float) -> DropoutSite | None:
+    """The :class:`DropoutSite` of a public dropout call on a plain tensor, or None where the
+    call is not of that kind (the general route takes it). Looked up by x's shape, strides,
+    dtype, device and alignment, and p."""
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), _data_ptr(x) & 15, p)
+    site = _DROPOUT_SITES.get(key)
+    if site is None:
+        ok = x.dtype in _SUPPORTED_DTYPES and x.is_contiguous() and x.numel() > 0 and 0.0 < p < 1.0
+        site = DropoutSite(x, p) if ok else False
+        remember(_DROPOUT_SITES, key, site)
+    return site or None
 
 
 # --------------------------------------------------------------------------------------

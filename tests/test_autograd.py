@@ -332,6 +332,41 @@ def test_public_attention_with_dropout_matches_the_registered_op(mask, dtype, ba
                     for d in (False, True, False)]))
 
 
+@pytest.mark.parametrize("backend", [p for p in backend_params("dropout") if p.values[0] == "triton"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_public_dropout_from_the_triton_sites_matches_the_registered_op(backend, layout, monkeypatch):
+    """A public dropout call takes the Triton kernels' launch sites (a contiguous input; a
+    transposed one the general route): the seed is drawn once, as the general route draws
+    it, and the output and gradient equal the registered op's with that seed, bit for bit,
+    for seeds of both integer classes, on a site's first and later calls."""
+    from fasttrans.kernels.dropout import DropoutSite
+
+    sited = []
+    forward = DropoutSite.forward
+    monkeypatch.setattr(DropoutSite, "forward", lambda site, x, seed: sited.append(seed) or forward(site, x, seed))
+    p = 0.3
+    x = torch.randn(33, 64) if layout == "contiguous" else torch.randn(64, 33).t()
+    dy = torch.randn(33, 64)
+    with fasttrans.use_backend(backend):
+        op = backends.forward_op(backend, "dropout")
+        seeds = []
+        for divisible in (False, True, False):
+            manual = _seed_of_class(divisible)
+            torch.manual_seed(manual)
+            seeds.append(fasttrans.functional._draw_seed(p))
+            results = []
+            for call in ("registered", "public"):
+                leaf = x.detach().clone().requires_grad_()
+                torch.manual_seed(manual)
+                out = op(leaf.contiguous(), p, seeds[-1])[0] if call == "registered" else fasttrans.functional.dropout(leaf, p)
+                results.append(([out.detach()], torch.autograd.grad((out * dy).sum(), leaf)))
+            _assert_same(*results)
+            with torch.no_grad():  # and without a gradient
+                torch.manual_seed(manual)
+                assert torch.equal(fasttrans.functional.dropout(x, p), results[0][0][0])
+    assert sited == ([s for s in seeds for _ in range(2)] if layout == "contiguous" else [])
+
+
 @pytest.mark.parametrize("backend", backend_params("dropout"))
 def test_dropout_routes_agree(backend):
     x = torch.randn(64, 33)

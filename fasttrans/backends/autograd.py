@@ -402,6 +402,42 @@ def _site_attention_common(name: str, forced: str | None, attention_site: Callab
     return common
 
 
+def _site_dropout_common(name: str, forced: str | None, dropout_site: Callable) -> Callable:
+    """:func:`_site_norm_common` for dropout (``dropout_site``, the Triton kernels'):
+    ``common(x, p, draw_seed)`` with 0 < p < 1 returns (y, None), or None for a call of
+    another kind; it draws the seed only once the site has accepted the call."""
+
+    def forward(ctx, site, x, seed):
+        y, keep = site.forward(x, seed)
+        ctx.save_for_backward(keep)
+        ctx.site = site
+        return y
+
+    def backward(ctx, dy):
+        (keep,) = ctx.saved_tensors
+        site = ctx.site
+        if torch.is_grad_enabled():  # backward(create_graph=True): linear in dy, in PyTorch ops
+            return None, reference.ReferenceImpl.dropout_bwd(dy, keep.view(torch.bool), site.p), None
+        return None, site.backward(dy, keep), None
+
+    function = type(f"dropout_fwd_{name}_eager", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
+    grad_enabled = torch.is_grad_enabled
+
+    def common(x, p, draw_seed):
+        site = dropout_site(x, p)
+        if site is None:
+            return None
+        seed = draw_seed(p)
+        if grad_enabled() and x.requires_grad:
+            return apply(site, x, seed), None
+        return site.forward(x, seed)[0], None
+
+    common.function = function
+    return common
+
+
 def _native_eager(impl, kind: str):
     """The implementation's native eager module for ``kind`` (the extension's norms and
     attention, see csrc/eager.cpp), ready to call; None where there is none."""
@@ -435,7 +471,7 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
             native = functools.partial(getattr(eager, kind), forced == name)
             common = functools.partial(getattr(eager, f"{kind}_common"), forced == name)
         elif getattr(BACKENDS[name].impl(), f"{kind}_site", None) is not None:  # launch sites (the Triton kernels')
-            make = {"norm": _site_norm_common, "attention": _site_attention_common}[kind]
+            make = {"norm": _site_norm_common, "attention": _site_attention_common, "dropout": _site_dropout_common}[kind]
             common = make(name, name if forced == name else None, getattr(BACKENDS[name].impl(), f"{kind}_site"))
         route = _selected_routes[key] = (name, *eager_route(name, kind), native, common)
     return route

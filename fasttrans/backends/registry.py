@@ -195,7 +195,7 @@ class _TritonImpl:
         for module, names in (
             ("attention", ("attention_fwd", "attention_bwd", "attention_dropout_mask", "attention_site")),
             ("layernorm", ("norm_fwd", "norm_infer", "norm_bwd", "norm_site")),
-            ("dropout", ("dropout_fwd", "dropout_bwd")),
+            ("dropout", ("dropout_fwd", "dropout_bwd", "dropout_site")),
         ):
             try:
                 mod = importlib.import_module(f"fasttrans.kernels.{module}")
