@@ -1710,14 +1710,26 @@ def _map_geometry(mask_kind: int, mstride: tuple, B: int, H: int, Lq: int, Lk: i
     return mask_kind, mstride, (Bm, Hm, CM, CN), strides, lists
 
 
+# The map's two launches, bound on their first call per (geometry, mask signature, Lq, Lk):
+# a model's masks of one shape (a new tensor every forward) launch them directly.
+_MAP_LAUNCHES: dict = {}
+
+
 def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
     """The int8 tile map of ``mask`` (the kernels' operand), built on mask's device."""
     kind, mstride, (Bm, Hm, CM, CN), (_, _, _, unit), _ = geometry
     tile_map = torch.empty((Bm, Hm, 225 * unit), dtype=torch.int8, device=mask.device)
-    cells = MAP_TILE.value // MAP_CELL.value
+    args = (tile_map, mask, *mstride, Hm, Lq, Lk, CN, unit)
+    key = ("map", geometry, sig(mask), Lq, Lk)
+    launch = _MAP_LAUNCHES.get(key)
     with on_device(mask):
-        _run(_attention_tile_map_kernel, _TILE_MAP_CONFIG, lambda meta: (CM // cells, CN // cells, Bm * Hm),
-             (tile_map, mask, *mstride, Hm, Lq, Lk, CN, unit), _tile_map_spec(kind))
+        if launch is not None:
+            launch(args)
+        else:
+            cells = MAP_TILE.value // MAP_CELL.value
+            remember(_MAP_LAUNCHES, key, _run(_attention_tile_map_kernel, _TILE_MAP_CONFIG,
+                                              lambda meta: (CM // cells, CN // cells, Bm * Hm), args,
+                                              _tile_map_spec(kind)))
     return tile_map
 
 
@@ -1727,12 +1739,31 @@ def _build_tile_lists(codes: torch.Tensor, mask: torch.Tensor, geometry, Lq: int
     kind, _, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
     width = _list_row(kind, tiles, list_tile)
     lists = torch.empty((Bm, Hm, rows, width), dtype=torch.int32, device=codes.device)
+    args = (lists, codes, rows, tiles, width, unit)
+    key = ("lists", geometry, codes.get_device())  # codes and lists: fresh, contiguous
+    launch = _MAP_LAUNCHES.get(key)
     with on_device(codes):
-        _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG, lambda meta: (rows, Bm * Hm),
-             (lists, codes, rows, tiles, width, unit), _tile_lists_spec(list_tile))
+        if launch is not None:
+            launch(args)
+        else:
+            remember(_MAP_LAUNCHES, key, _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG,
+                                              lambda meta: (rows, Bm * Hm), args, _tile_lists_spec(list_tile)))
         if kind == MASK_BOOL:
             _pack_mask_bits(mask, geometry, Lq, Lk, lists[..., _list_width(tiles):])
     return lists
+
+
+_BIT_WEIGHTS: dict = {}  # (device) -> the uint8 powers of two _pack_mask_bits multiplies by
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    weights = _BIT_WEIGHTS.get(device)
+    if weights is None:
+        # made on the device: a tensor copied from the host would synchronise with a GPU
+        weights = torch.bitwise_left_shift(1, torch.arange(8, dtype=torch.uint8, device=device))
+        if not (weights.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph's own tensors stay its
+            _BIT_WEIGHTS[device] = weights
+    return weights
 
 
 def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.Tensor) -> None:
@@ -1747,9 +1778,7 @@ def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.T
     m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, R - m.shape[2]))
     # key j = 64 g + 32 byte + 8 k + 2 word + half: bit 2 k + half of the word's byte
     m = m.reshape(Bm, Hm, R, words // 4, 2, 4, 4, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
-    # made on the device: a tensor copied from the host would synchronise with a GPU
-    weights = torch.bitwise_left_shift(1, torch.arange(8, dtype=torch.uint8, device=m.device))
-    packed = (m.reshape(*m.shape[:-2], 8) * weights).sum(-1, dtype=torch.uint8)  # (..., g, word, byte)
+    packed = (m.reshape(*m.shape[:-2], 8) * _bit_weights(m.device)).sum(-1, dtype=torch.uint8)  # (..., g, word, byte)
     packed = torch.nn.functional.pad(packed, (0, 2)).reshape(Bm, Hm, R, words * 4).view(torch.int32)
     out.view(Bm, Hm, rows, list_tile, words).copy_(
         packed.view(Bm, Hm, rows, list_tile, words) if mstride[2]

@@ -137,6 +137,33 @@ def test_lists_hold_each_rows_full_and_partial_tiles_in_order(kind, layout, devi
             assert got[:len(want)].tolist() == want.tolist() and (got[len(want):] == -1).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_map_launches_are_bound_once_per_geometry(device, monkeypatch):
+    """A new mask tensor of a geometry seen before (a model's padding mask, every forward)
+    launches the map's kernels as first bound, with the codes and lists of its own values;
+    a mask at another alignment binds its own."""
+    monkeypatch.setattr(K, "_TILE_MAPS", {})
+    monkeypatch.setattr(K, "_MAP_LAUNCHES", {})
+    bound = []
+    run = K._run
+    monkeypatch.setattr(K, "_run", lambda kernel, *args: bound.append(kernel) or run(kernel, *args))
+    B, H, Lq, Lk = 2, 3, 37, 150
+    shape = (B, H, Lq, Lk)
+    for seed, offset in ((0, 0), (1, 0), (2, 1)):
+        storage = cell_mask((B, 1, 1, Lk + 1), device, seed=seed)
+        mask = storage[..., offset:offset + Lk]
+        got = K.attention_tile_map(mask, shape)
+        want = expected_map(mask, shape, (16, 16))[:, :, :1]
+        torch.testing.assert_close(got.expand(want.shape).cpu(), want.cpu(), atol=0, rtol=0)
+        list_tile, full_count, _, _, _ = K.attention_tile_lists(mask, shape)
+        codes = expected_map(mask, shape, (list_tile, list_tile))[:, :1, :1].long().cpu()
+        full = (codes & K.MAP_LIVE.value != 0) & (codes & K.MAP_DENSE.value == 0)
+        assert full_count.cpu().long().tolist() == torch.nn.functional.pad(full.long().cumsum(-1), (1, 0)).tolist()
+    # the first mask bound the map and lists launches, the second none, the third (its data
+    # one byte off: another alignment) the map's
+    assert bound == [K._attention_tile_map_kernel, K._attention_tile_lists_kernel, K._attention_tile_map_kernel]
+
+
 def block_mask(shape, device, block, seed=0, kind="bool"):
     """cell_mask drawn by blocks of the tile lists' tile, so that whole list tiles are empty,
     full and mixed (the loops over listed full and partial tiles all run)."""
