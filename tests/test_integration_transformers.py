@@ -296,6 +296,9 @@ def test_key_lengths_are_computed_once_per_mask():
     with torch.inference_mode():
         frozen = torch.ones(1, 1, 2, 6, dtype=torch.bool)
         assert ftt._key_lengths(frozen, 3, 6).tolist() == [6, 6, 6]
+    # an encoder's padding mask, broadcast over the queries (left padding and holes too)
+    padding = torch.tensor([[True] * 4 + [False] * 2, [False, True, True, False, True, False]])
+    assert ftt._key_lengths(padding[:, None, None, :].expand(2, 1, 3, 6), 2, 6).tolist() == [4, 5]
 
 
 def test_t5_position_bias_gets_its_gradient():

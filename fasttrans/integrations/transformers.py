@@ -188,8 +188,10 @@ def _key_lengths(mask: torch.Tensor, batch: int, kv_length: int) -> torch.Tensor
         seen = _lengths_of.get(mask, batch)
         if seen is not None:
             return seen
-    rows = mask[:, :, :1] if mask.shape[2] and mask.stride(2) == 0 else mask  # a mask broadcast over queries: one row
-    visible = rows.any(dim=2).any(dim=1)  # (b, Lk)
+    if mask.shape[1] == 1 and mask.shape[2] and mask.stride(2) == 0:
+        visible = mask[:, 0, 0]  # one head, rows broadcast over the queries (an encoder's padding mask): a view
+    else:
+        visible = mask.any(dim=2).any(dim=1)  # (b, Lk)
     positions = torch.arange(1, kv_length + 1, device=mask.device)
     lengths = (visible * positions).amax(dim=-1).expand(batch)
     if eager:
