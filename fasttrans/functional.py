@@ -384,8 +384,14 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
             args = (q, k, v, None, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
             if native is not None:  # the backend's native entry records the gradient when one is needed
                 return native(*args)[0]
-            if common is not None and dropout_p == 0.0:  # launch sites (the Triton kernels')
-                out = common(q, k, v, None, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+            if common is not None:  # launch sites (the Triton kernels')
+                if dropout_p == 0.0:
+                    out = common(q, k, v, None, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM)
+                else:  # the seed drawn above: the route below uses it too if the site refuses the call
+                    with_dropout = getattr(common, "dropout", None)
+                    out = None if with_dropout is None else with_dropout(
+                        q, k, v, None, key_lengths, is_causal, causal_offset, scale, MAX_HEAD_DIM, float(dropout_p),
+                        lambda p: seed)
                 if out is not None:
                     return out[0]
             if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -743,18 +743,21 @@ def test_calls_with_a_tensor_subclass_keep_the_registered_op():
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params("attention") if p.values[0] == "triton"])
-def test_layers_launch_attention_from_the_triton_sites(backend, monkeypatch):
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_layers_launch_attention_from_the_triton_sites(backend, dropout, monkeypatch):
     """fasttrans.nn's attention (attention_prevalidated) takes the Triton kernels' launch
-    sites too, with the reference's outputs and gradients, on a first and a later call."""
+    sites too, with dropout or without, with the reference's outputs and gradients (the
+    same keep decisions for the same seed), on a first and a later call."""
     from fasttrans.kernels.attention import AttentionSite
 
     launched = []
     forward = AttentionSite.forward
     monkeypatch.setattr(AttentionSite, "forward", lambda site, *args: launched.append(site) or forward(site, *args))
-    layer = fasttrans.nn.MultiheadAttention(16, 2, batch_first=True)
+    layer = fasttrans.nn.MultiheadAttention(16, 2, dropout=dropout, batch_first=True)
     x = torch.randn(2, 5, 16)
     results = []
     for name in ("reference", backend, backend):
+        torch.manual_seed(7)
         with fasttrans.use_backend(name):
             out = layer(x, x, x, need_weights=False)[0]
             grads = torch.autograd.grad(out.square().sum(), list(layer.parameters()))
