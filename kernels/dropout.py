@@ -56,8 +56,8 @@ from fasttrans.dropout_spec import FLAT_DOMAIN, dropout_threshold
 from . import cdiv, expansion, on_device
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
 
-__all__ = ["dropout_fwd", "dropout_bwd", "dropout_site", "DropoutSite", "dropout_threshold", "dropout_scale", "compile_targets", "DropoutConfig",
-           "CONFIG"]
+__all__ = ["dropout_fwd", "dropout_bwd", "dropout_site", "DropoutSite", "dropout_threshold", "dropout_scale",
+           "compile_targets", "DropoutConfig", "CONFIG"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_LIMIT = 2**31

@@ -358,7 +358,10 @@ def test_public_dropout_from_the_triton_sites_matches_the_registered_op(backend,
             for call in ("registered", "public"):
                 leaf = x.detach().clone().requires_grad_()
                 torch.manual_seed(manual)
-                out = op(leaf.contiguous(), p, seeds[-1])[0] if call == "registered" else fasttrans.functional.dropout(leaf, p)
+                if call == "registered":
+                    out = op(leaf.contiguous(), p, seeds[-1])[0]
+                else:
+                    out = fasttrans.functional.dropout(leaf, p)
                 results.append(([out.detach()], torch.autograd.grad((out * dy).sum(), leaf)))
             _assert_same(*results)
             with torch.no_grad():  # and without a gradient

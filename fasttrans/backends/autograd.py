@@ -471,7 +471,8 @@ def selected_route(kind: str, device: torch.device, dtype: torch.dtype) -> tuple
             native = functools.partial(getattr(eager, kind), forced == name)
             common = functools.partial(getattr(eager, f"{kind}_common"), forced == name)
         elif getattr(BACKENDS[name].impl(), f"{kind}_site", None) is not None:  # launch sites (the Triton kernels')
-            make = {"norm": _site_norm_common, "attention": _site_attention_common, "dropout": _site_dropout_common}[kind]
+            make = {"norm": _site_norm_common, "attention": _site_attention_common,
+                    "dropout": _site_dropout_common}[kind]
             common = make(name, name if forced == name else None, getattr(BACKENDS[name].impl(), f"{kind}_site"))
         route = _selected_routes[key] = (name, *eager_route(name, kind), native, common)
     return route
