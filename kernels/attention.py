@@ -1030,7 +1030,8 @@ def _attention_bwd_dkdv_inner(
                            + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
             do = _load_tile(DO_b + off_h * stride_do_h + start_m64 * stride_do_m + rows_local[:, None] * stride_do_m
                             + offs_d[None, :], row_ok, d_ok, ELEMENT_MASKED, MASK_D)
-        row_base = off_h * Lq + rows  # int64 (BLOCK_M,): rows of this batch's (H, Lq) statistics
+        # rows of this batch's (H, Lq) statistics, in int32 (2**31 rows of q would take 256 GiB)
+        row_base = off_h.to(tl.int32) * Lq + rows
         if ELEMENT_MASKED:  # rows past Lq read hi = +inf, hence P = 0
             row_hi = tl.load(Hi_b + row_base, mask=row_ok, other=float("inf"))
             delta = tl.load(Delta_b + row_base, mask=row_ok, other=0.0)
