@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
+__all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BY_POINTERS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG", "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -71,7 +71,7 @@ BWD_DKDV_CONFIGS = {
     "sm_90": {  # query tiles of 64 where they fit: the transposed S^T = K Q^T then has wgmma N = 64
         (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
-        (128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
+        (128, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(16, 64, 8, 1), _cfg(16, 128, 8, 1)],
         (128, "bool"): [_cfg(16, 128, 8, 2)],
         (256, "light"): [_cfg(16, 64, 8, 2)],
@@ -101,7 +101,7 @@ BWD_DQ_CONFIGS = {
         (64, "heavy"): [_cfg(64, 16, 4, 1)],  # key tiles of 32 spill beside the loops over listed tiles
         (64, "bool"): [_cfg(128, 64, 8, 2)],
         (64, "dropout"): [_cfg(128, 64, 8, 2)],
-        (128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
+        (128, "light"): [_cfg(64, 128, 4, 2), _cfg(128, 128, 8, 1)],  # within the loop goal, as d64's
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (128, "bool"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (128, "dropout"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
@@ -206,11 +206,19 @@ BEFORE_TRITON_3_9 = {
     ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("BWD_DQ_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
 }
+# sm_90's light 16-bit entries are chosen for their TMA builds. Where a layout rules TMA out
+# (attention._tma_layout), the same tiles load by pointers, which takes more registers: these
+# classes' TMA tiles spill there, so that route takes these entries. stage -> class -> entries.
+BY_POINTERS = {
+    "dkdv": {(128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)]},
+    "dq": {(128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)]},
+}
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 if TRITON_VERSION < (3, 9):
     for (_table, _arch, _class), _entries in BEFORE_TRITON_3_9.items():
         globals()[_table][_arch][_class] = list(_entries)
     del _table, _arch, _class, _entries
+    BY_POINTERS = {}  # the entries above serve both routes
 
 _BOTH = {(256, "light"), (256, "heavy")}
 FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32

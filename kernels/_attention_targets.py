@@ -16,7 +16,7 @@ import triton
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES,
+    FP32_IEEE_CLASSES, BY_POINTERS,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, TRITON_VERSION, dkdv_outputs,
 )
 
@@ -35,7 +35,8 @@ _LOOP_KERNELS = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
 # (the backward's goal, 19 per score for its two loops together, split between dK/dV and dQ)
 # (on their TMA builds: the route sm_90's light launches take where the layout allows)
 LOOP_GOALS = {("attention_fwd", 64, "light"): 8.5, ("attention_fwd", 128, "light"): 8.5,
-              ("attention_bwd_dkdv", 64, "light"): 11.4, ("attention_bwd_dq", 64, "light"): 6.95}
+              ("attention_bwd_dkdv", 64, "light"): 11.4, ("attention_bwd_dq", 64, "light"): 6.95,
+              ("attention_bwd_dkdv", 128, "light"): 11.4, ("attention_bwd_dq", 128, "light"): 7.5}
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -183,7 +184,7 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
             for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
                 targets += builds(cfgs, dclass, weight)
                 if tma_route(dclass, weight, torch.float16):  # and by pointer loads, where the layout rules TMA out
-                    targets += builds(cfgs, dclass, weight, tma=False)
+                    targets += builds(BY_POINTERS.get(stage, {}).get((dclass, weight), cfgs), dclass, weight, tma=False)
             # bf16 lowers through the same tensor-core paths; one build per kernel proves it, and
             # every entry with a loop goal is held to it in bf16 too
             goals = [(d, w) for d, w in table[arch] if (name, d, w) in LOOP_GOALS and arch == "sm_90"]

@@ -149,7 +149,7 @@ from . import _attention_targets, capability, cdiv, device_index, expansion, nex
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES,
+    FP32_IEEE_CLASSES, BY_POINTERS,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
@@ -1497,20 +1497,22 @@ _FRESH = {
 _SCRATCH_KERNELS = {_attention_fwd_kernel, _attention_bwd_dq_kernel, _attention_bwd_dkdv_kernel}
 
 
-def _autotuned(kernel, tables: dict, *extra_key: str) -> dict:
-    """{(precision class, arch, head-dim class, weight): autotuner over that entry's configurations}."""
+def _autotuned(kernel, stage: str, *extra_key: str) -> dict:
+    """{(precision class, arch, head-dim class, weight): autotuner over that entry's
+    configurations}, and {(..., "pointers"): ...} over BY_POINTERS's entries (_launch)."""
     key = _TUNE_KEY + list(extra_key)
-    return {(precision, arch, *k): Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel],
-                                            kernel in _SCRATCH_KERNELS)
-            for precision, configs in tables.items()
-            for arch, table in configs.items() for k, cfgs in table.items()}
+    tables = {(precision, arch, *k): cfgs for precision, stages in _TABLES.items()
+              for arch, table in stages[stage].items() for k, cfgs in table.items()}
+    tables.update({("16-bit", "sm_90", *k, "pointers"): cfgs for k, cfgs in BY_POINTERS.get(stage, {}).items()})
+    return {k: Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel], kernel in _SCRATCH_KERNELS)
+            for k, cfgs in tables.items()}
 
 
 _TABLES = {"16-bit": {"fwd": FWD_CONFIGS, "dkdv": BWD_DKDV_CONFIGS, "dq": BWD_DQ_CONFIGS},
            "fp32": {"fwd": FWD_CONFIGS_FP32, "dkdv": BWD_DKDV_CONFIGS_FP32, "dq": BWD_DQ_CONFIGS_FP32}}
-_FWD_TUNED = _autotuned(_attention_fwd_kernel, {p: t["fwd"] for p, t in _TABLES.items()}, "FOLD_SCALE", "TMA")
-_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, {p: t["dkdv"] for p, t in _TABLES.items()}, "OUTPUT", "TMA")
-_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, {p: t["dq"] for p, t in _TABLES.items()}, "MASK_GRAD", "TMA")
+_FWD_TUNED = _autotuned(_attention_fwd_kernel, "fwd", "FOLD_SCALE", "TMA")
+_DKDV_TUNED = _autotuned(_attention_bwd_dkdv_kernel, "dkdv", "OUTPUT", "TMA")
+_DQ_TUNED = _autotuned(_attention_bwd_dq_kernel, "dq", "MASK_GRAD", "TMA")
 
 
 # --------------------------------------------------------------------------------------
@@ -1600,7 +1602,10 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec):
     cls = _table_class(_TABLES[precision][stage][arch], c["BLOCK_D"], _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
         spec = _spec_with(spec, INPUT_PRECISION="ieee")
-    return tuned[(precision, arch, *cls)].bind(grid, args, spec, q.device.index)
+    key = (precision, arch, *cls)
+    if arch == "sm_90" and precision == "16-bit" and not c["TMA"] and cls in BY_POINTERS.get(stage, ()):
+        key += ("pointers",)  # tiles chosen for TMA's loops that spill loading by pointers
+    return tuned[key].bind(grid, args, spec, q.device.index)
 
 
 def input_precision(dtype: torch.dtype) -> str:

@@ -875,16 +875,54 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
             assert key in real[stage]  # an autotuner exists for it
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_loads_by_pointers_take_their_own_entries(tma, monkeypatch):
+    """sm_90's 16-bit light entries are tiles for TMA's loops; a launch that loads by pointers
+    (FASTTRANS_TMA=0 here, or a layout TMA cannot take) takes its class's BY_POINTERS entries
+    where it has some, whose tiles do not spill that way (compile-check)."""
+    from fasttrans.kernels import _attention_configs as C
+
+    calls = []
+    real = {"fwd": K._FWD_TUNED, "dkdv": K._DKDV_TUNED, "dq": K._DQ_TUNED}
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    monkeypatch.setattr(K, "_gpu_arch", lambda device: "sm_90")
+    monkeypatch.setattr(K, "TMA_ENABLED", tma)
+    for name in ("_FWD_TUNED", "_DKDV_TUNED", "_DQ_TUNED"):
+        monkeypatch.setattr(K, name, _RecordingTuner(calls))
+    monkeypatch.setattr(K, "_FWD_SITES", {})
+    monkeypatch.setattr(K, "_BWD_SITES", {})
+    seen = set()
+    for D in (64, 128):
+        q, k, v = (torch.randn(1, 2, 8, D, dtype=torch.float16) for _ in range(3))
+        args = (None, None, True, 0, 0.0, 0.1, 0)
+        calls.clear()
+        K.attention_fwd(q, k, v, *args)
+        K.attention_bwd(torch.ones_like(q), q, k, v, torch.zeros_like(q), torch.zeros(1, 2, 8), *args, False)
+        for stage, (key, constexprs) in zip(["fwd", "dq", "dkdv"], calls):
+            assert constexprs["TMA"] == tma, (stage, D)
+            by_pointers = not tma and (D, "light") in C.BY_POINTERS.get(stage, {})
+            assert key == ("16-bit", "sm_90", D, "light") + (("pointers",) if by_pointers else ()), (stage, D)
+            assert key in real[stage]
+            seen.add(key[-1])
+    if C.BY_POINTERS and not tma:
+        assert "pointers" in seen
+    for stage, classes in C.BY_POINTERS.items():  # classes of the tables that take the TMA route
+        table = {"fwd": C.FWD_CONFIGS, "dkdv": C.BWD_DKDV_CONFIGS, "dq": C.BWD_DQ_CONFIGS}[stage]["sm_90"]
+        for cls, entries in classes.items():
+            assert cls in table and cls[1] == "light" and entries and entries != table[cls], (stage, cls)
+
+
 def test_dq_tiles_hold_whole_blocks_of_flags():
     """The dQ kernel writes one flag of rows of huge scores per EXACT_ROWS rows, which the
     dK/dV kernel reads whatever the dQ tile: every dQ entry (GPU tables, the ones before Triton
-    3.9, the interpreter's) holds whole blocks of them."""
+    3.9 and by pointers, the interpreter's) holds whole blocks of them."""
     from fasttrans.kernels import _attention_configs as C
 
     rows = K.EXACT_ROWS.value
     entries = [c for tables in (K.BWD_DQ_CONFIGS, K.BWD_DQ_CONFIGS_FP32) for table in tables.values()
                for cfgs in table.values() for c in cfgs]
     entries += [c for (name, _, _), cfgs in C.BEFORE_TRITON_3_9.items() if name.startswith("BWD_DQ") for c in cfgs]
+    entries += [c for cfgs in C.BY_POINTERS.get("dq", {}).values() for c in cfgs]
     entries.append(K.INTERPRETER_CONFIGS["dq"])
     assert all(c.kwargs["BLOCK_M"] % rows == 0 for c in entries)
 
