@@ -71,9 +71,11 @@ BWD_DKDV_CONFIGS = {
     "sm_90": {  # query tiles of 64 where they fit: the transposed S^T = K Q^T then has wgmma N = 64
         (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
+        (64, "dropout"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (128, "heavy"): [_cfg(16, 64, 8, 1), _cfg(16, 128, 8, 1)],
         (128, "bool"): [_cfg(16, 128, 8, 2)],
+        (128, "dropout"): [_cfg(32, 128, 8, 2)],
         (256, "light"): [_cfg(16, 64, 8, 2)],
         (256, "heavy"): [_cfg(16, 64, 8, 2)],
     },

@@ -849,7 +849,8 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     # a bool mask (with dropout or not), or dropout alone, takes the bool or dropout entries of
     # sm_90's 16-bit tables, the heavy ones elsewhere
     own_entries = {"bool": {(64, "dq"), (128, "dkdv"), (128, "dq")},
-                   "dropout": {(64, "fwd"), (128, "fwd"), (64, "dq"), (128, "dq")}} if arch == "sm_90" else {}
+                   "dropout": {(64, "fwd"), (128, "fwd"), (64, "dq"), (128, "dq"), (64, "dkdv"), (128, "dkdv")}} \
+        if arch == "sm_90" else {}
     for dtype, D, extra in cases:
         q, k, v = (torch.randn(1, 2, 8, D, dtype=dtype) for _ in range(3))
         args = dict(attn_mask=extra.get("attn_mask"), key_lengths=None, is_causal=False, causal_offset=0,
