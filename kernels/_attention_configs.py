@@ -193,6 +193,7 @@ BEFORE_TRITON_3_9 = {
     ("FWD_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_80", (256, "light")): [_cfg(16, 16, 8, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (64, "heavy")): [_cfg(32, 64, 4, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (64, "dropout")): [_cfg(64, 128, 8, 2)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "light")): [_cfg(32, 128, 8, 2), _cfg(16, 64, 4, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "heavy")): [_cfg(16, 64, 8, 2)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 16, 4, 1), _cfg(16, 32, 8, 1)],

@@ -1065,14 +1065,15 @@ def _attention_bwd_dkdv_inner(
             inv_keep = 1.0 / (1.0 - dropout_p)
         if OUTPUT != "dk":
             pd_t = p_t
-            if HAS_DROPOUT:
-                pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+            if HAS_DROPOUT:  # dV takes 1 / (1 - dropout_p) once, after the loops
+                pd_t = tl.where(keep_t, p_t, 0.0)
             dv = _dot(pd_t.to(do.dtype), do, dv, DOT_FP32, INPUT_PRECISION)
         if OUTPUT != "dv":
             dp_t = _dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
-            if HAS_DROPOUT:
-                dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-            ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_DROPOUT:  # a select and an FMA per score: the scale times the kept dP, less delta
+                ds_t = p_t * (tl.where(keep_t, dp_t, 0.0) * inv_keep - delta[None, :])
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])
             dk = _dot(ds_t.to(q.dtype), q, dk, DOT_FP32, INPUT_PRECISION)
         i += 1
         wrap = i == num_tiles
@@ -1231,6 +1232,8 @@ def _attention_bwd_dkdv_kernel(
             OUTPUT, DOT_FP32, INPUT_PRECISION, TMA)
 
     dk = dk * scale
+    if HAS_DROPOUT:  # the loops' P is unscaled (_attention_bwd_dkdv_inner)
+        dv = dv * (1.0 / (1.0 - dropout_p))
     store_ok = (cols < Lk)[:, None]
     if MASK_D:
         store_ok = store_ok & d_ok[None, :]
