@@ -1299,8 +1299,12 @@ def _attention_bwd_dq_inner(
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
             keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, False)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
+        if HAS_DROPOUT and BLOCK_D <= 128:  # a select and an FMA per score: the scaled kept dP, less delta
+            ds = p * (tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p)) - delta[:, None])
+        else:  # head dims of 256 spill in that form (compile-check)
+            if HAS_DROPOUT:
+                dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            ds = p * (dp - delta[:, None])
         if MASK_GRAD:
             # every (row, column) is visited by exactly one program: plain stores, zeros elsewhere
             tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds * r[:, None],
