@@ -106,7 +106,7 @@ BWD_DQ_CONFIGS = {
         (64, "heavy"): [_cfg(64, 16, 4, 1)],  # key tiles of 32 spill beside the loops over listed tiles
         (64, "bool"): [_cfg(128, 64, 8, 2)],
         (64, "dropout"): [_cfg(128, 64, 8, 2)],
-        (128, "light"): [_cfg(64, 128, 4, 2), _cfg(128, 128, 8, 1)],  # within the loop goal, as d64's
+        (128, "light"): [_cfg(64, 128, 4, 2), _cfg(128, 128, 8, 1)],  # within the loop goal too
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (128, "bool"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (128, "dropout"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],

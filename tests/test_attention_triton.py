@@ -827,11 +827,9 @@ class _RecordingLauncher:
         return lambda args: None
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypatch):
-    """The GPU launch path (run here with the kernels replaced by a recorder): each launch looks
-    up (precision class, arch, head-dim class, weight), and fp32 classes in FP32_IEEE_CLASSES
-    launch with IEEE dots, the others with the flag's precision."""
+def _record_gpu_launches(monkeypatch, arch: str):
+    """Run the GPU launch path here, for ``arch``, with the autotuned kernels replaced by
+    recorders: ([(key, constexprs) of each launch], the real autotuner tables by stage)."""
     calls = []
     real = {"fwd": K._FWD_TUNED, "dkdv": K._DKDV_TUNED, "dq": K._DQ_TUNED}
     monkeypatch.setattr(K, "_interpreting", lambda: False)
@@ -841,6 +839,15 @@ def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypa
     # every call its site's first, so that it looks its launcher up (the arch is not keyed)
     monkeypatch.setattr(K, "_FWD_SITES", {})
     monkeypatch.setattr(K, "_BWD_SITES", {})
+    return calls, real
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gpu_launches_pick_the_table_and_precision_of_their_class(arch, monkeypatch):
+    """The GPU launch path (run here with the kernels replaced by a recorder): each launch looks
+    up (precision class, arch, head-dim class, weight), and fp32 classes in FP32_IEEE_CLASSES
+    launch with IEEE dots, the others with the flag's precision."""
+    calls, real = _record_gpu_launches(monkeypatch, arch)
     bool_mask = {"attn_mask": (torch.rand(1, 1, 8, 8) > 0.3).expand(1, 2, 8, 8)}  # as the op layer passes it
     cases = [(torch.float32, 64, {}), (torch.float32, 256, {}), (torch.float32, 128, {"dropout_p": 0.1}),
              (torch.float16, 256, {}), (torch.bfloat16, 128, {"dropout_p": 0.1}),
@@ -883,15 +890,8 @@ def test_loads_by_pointers_take_their_own_entries(tma, monkeypatch):
     where it has some, whose tiles do not spill that way (compile-check)."""
     from fasttrans.kernels import _attention_configs as C
 
-    calls = []
-    real = {"fwd": K._FWD_TUNED, "dkdv": K._DKDV_TUNED, "dq": K._DQ_TUNED}
-    monkeypatch.setattr(K, "_interpreting", lambda: False)
-    monkeypatch.setattr(K, "_gpu_arch", lambda device: "sm_90")
     monkeypatch.setattr(K, "TMA_ENABLED", tma)
-    for name in ("_FWD_TUNED", "_DKDV_TUNED", "_DQ_TUNED"):
-        monkeypatch.setattr(K, name, _RecordingTuner(calls))
-    monkeypatch.setattr(K, "_FWD_SITES", {})
-    monkeypatch.setattr(K, "_BWD_SITES", {})
+    calls, real = _record_gpu_launches(monkeypatch, "sm_90")
     seen = set()
     for D in (64, 128):
         q, k, v = (torch.randn(1, 2, 8, D, dtype=torch.float16) for _ in range(3))
