@@ -81,8 +81,8 @@ lists per row of LIST_TILE x LIST_TILE tiles (MAP_TILE on a GPU: every forward a
 fits whole in one) its full tiles (LIVE, not DENSE) and its partial ones (LIVE and DENSE), in
 order, with prefix counts: (full count per column 0..tiles, partial count likewise, full
 indices, partial indices), a row padded to a multiple of 16 entries; a bool mask's rows
-follow as bits (_pack_mask_bits), 16 keys to a word in the order one thread of the
-accumulator holds them. The forward and dQ kernels run the listed tiles before full_end
+follow as bits (packed by the same kernel), 16 keys to a word in the order one thread of
+the accumulator holds them. The forward and dQ kernels run the listed tiles before full_end
 (those no causal or key-length mask cuts) in two loops over their key tiles: the full ones
 exactly as without a mask (no mask read, no select, the scale folded as FOLD_SCALE allows),
 the partial ones with the mask read whole (a bool mask's bits: a bit test and a select per
@@ -186,6 +186,7 @@ LIST_TILE_INTERPRETER = 32
 # mask is read by the tile map alone.
 LISTS_MAX_HEAD_DIM = tl.constexpr(128)
 LIST_CHUNK = tl.constexpr(128)  # the tile-list kernel's columns per step
+BITS_CHUNK = tl.constexpr(4)  # and a bool mask's words per step (64 keys)
 
 
 # Autotuning keys: sequence lengths enter only through power-of-two buckets (LQ_BUCKET,
@@ -521,11 +522,16 @@ def _store_map_level(Map_bh, live, dense, block_m, block_n, CN, unit, a: tl.cons
 def _attention_tile_lists_kernel(
     Lists,  # (Bm, Hm, rows, width) int32, contiguous, written (module docstring)
     TileMap,  # the codes of _attention_tile_map_kernel, contiguous
+    Mask,  # with PACK_BITS, the bool mask as uint8, read at (b, h, i, j) through the strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on the dims it broadcasts over
+    Hm, Lq, Lk,  # the map's heads; the query rows to read (all where it broadcasts over queries), keys
     rows, tiles, width, unit,  # tile rows and columns of the LIST_TILE level, a row's entries; the map's unit
     LIST_TILE: tl.constexpr,
+    PACK_BITS: tl.constexpr,  # a bool mask: its bits follow each row's lists
 ):
     """One tile row's lists at the LIST_TILE level: the prefix counts of its full tiles (LIVE,
-    not DENSE) and of its partial ones (LIVE and DENSE), then their column indices in order."""
+    not DENSE) and of its partial ones (LIVE and DENSE), then their column indices in order;
+    with PACK_BITS, the bits of its LIST_TILE query rows of the mask after them."""
     r = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     codes = TileMap + bh * 225 * unit + unit * _map_level(LIST_TILE, LIST_TILE) + r * tiles
@@ -555,6 +561,22 @@ def _attention_tile_lists_kernel(
         tl.store(part_index + at_part - 1, j, mask=ok & (part != 0))
         n_full += tl.sum(full, 0)
         n_part += tl.sum(part, 0)
+    if PACK_BITS:
+        # query row i's word w holds at bit t key 64 (w // 4) + 8 (t // 2) + 2 (w % 4) + t % 2
+        # (the order _masked_scores reads them in); keys past Lk and rows past Lq are 0, and a
+        # mask broadcast over queries (stride_mask_m 0) gives every row its one row
+        bits, words = _mask_bits_rows(Lists + bh * rows * width, width, tiles, r * LIST_TILE, LIST_TILE)
+        i = tl.arange(0, LIST_TILE)
+        row_ok = r * LIST_TILE + i < Lq
+        mask_rows = Mask + (bh // Hm) * stride_mask_b + (bh % Hm) * stride_mask_h \
+            + (r * LIST_TILE + i).to(tl.int64) * stride_mask_m
+        t = tl.arange(0, 16)
+        for w0 in range(0, words, BITS_CHUNK):
+            w = w0 + tl.arange(0, BITS_CHUNK)
+            j = (64 * (w // 4) + 2 * (w % 4))[None, :, None] + (8 * (t // 2) + t % 2)[None, None, :]
+            m = tl.load(mask_rows[:, None, None] + j * stride_mask_n, mask=row_ok[:, None, None] & (j < Lk), other=0)
+            word = tl.sum((m != 0).to(tl.int32) << t[None, None, :], axis=2)
+            tl.store(bits + i[:, None] * words + w[None, :], word)
 
 
 @triton.jit
@@ -593,8 +615,8 @@ def _masked_scores(
             tl.static_assert(MASK_KIND == 1 and not ELEMENT_MASKED, "the bits of a bool mask's partial tiles")
             # word 4 (j // 64) + (j % 8) // 2 of a row holds key j at bit 2 ((j % 64) // 8) + j % 2:
             # a word holds the columns one thread holds in the accumulator, so each score tests
-            # one bit of a word its thread loaded (_pack_mask_bits). 16 bits a word: 64-key
-            # groups need no shift in tiles of 64 keys or more.
+            # one bit of a word its thread loaded (_attention_tile_lists_kernel packs them). 16
+            # bits a word: 64-key groups need no shift in tiles of 64 keys or more.
             if BLOCK_N <= 64:
                 K8: tl.constexpr = BLOCK_N // 8
                 words = tl.load(mask[4] + rows[:, None] * mask[5] + (start_n64 >> 6) * 4 + tl.arange(0, 4)[None, :],
@@ -1691,7 +1713,7 @@ def _list_width(tiles: int) -> int:
 
 def _bits_words(tiles: int, list_tile: int) -> int:
     """The int32 words of one query row of a bool mask's bits: four per 64 of the tile lists'
-    columns, 16 bits each (_pack_mask_bits; _mask_bits_rows in the kernels)."""
+    columns, 16 bits each (_attention_tile_lists_kernel writes them, _mask_bits_rows finds them)."""
     return cdiv(tiles * list_tile, 64) * 4
 
 
@@ -1749,53 +1771,20 @@ def _build_tile_map(mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Ten
 def _build_tile_lists(codes: torch.Tensor, mask: torch.Tensor, geometry, Lq: int, Lk: int) -> torch.Tensor:
     """The int32 tile lists (module docstring) of the tile map ``codes``, with a bool mask's
     bits (``mask``: the kernels' operand), on codes' device."""
-    kind, _, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
+    kind, mstride, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
     width = _list_row(kind, tiles, list_tile)
     lists = torch.empty((Bm, Hm, rows, width), dtype=torch.int32, device=codes.device)
-    args = (lists, codes, rows, tiles, width, unit)
-    key = ("lists", geometry, codes.get_device())  # codes and lists: fresh, contiguous
+    args = (lists, codes, mask, *mstride, Hm, Lq if mstride[2] else rows * list_tile, Lk, rows, tiles, width, unit)
+    key = ("lists", geometry, sig(mask), Lq, Lk)  # codes and lists: fresh, contiguous, on mask's device
     launch = _MAP_LAUNCHES.get(key)
     with on_device(codes):
         if launch is not None:
             launch(args)
         else:
             remember(_MAP_LAUNCHES, key, _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG,
-                                              lambda meta: (rows, Bm * Hm), args, _tile_lists_spec(list_tile)))
-        if kind == MASK_BOOL:
-            _pack_mask_bits(mask, geometry, Lq, Lk, lists[..., _list_width(tiles):])
+                                              lambda meta: (rows, Bm * Hm), args,
+                                              _tile_lists_spec(list_tile, kind == MASK_BOOL)))
     return lists
-
-
-_BIT_WEIGHTS: dict = {}  # (device) -> the uint8 powers of two _pack_mask_bits multiplies by
-
-
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    weights = _BIT_WEIGHTS.get(device)
-    if weights is None:
-        # made on the device: a tensor copied from the host would synchronise with a GPU
-        weights = torch.bitwise_left_shift(1, torch.arange(8, dtype=torch.uint8, device=device))
-        if not (weights.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph's own tensors stay its
-            _BIT_WEIGHTS[device] = weights
-    return weights
-
-
-def _pack_mask_bits(mask: torch.Tensor, geometry, Lq: int, Lk: int, out: torch.Tensor) -> None:
-    """Write a bool mask's bits (uint8 view ``mask``) into ``out`` = the tile lists' (Bm, Hm,
-    rows, list_tile x words) int32 tails: query row i's word 4 (j // 64) + (j % 8) // 2 holds
-    key j at bit 2 ((j % 64) // 8) + j % 2, keys past Lk 0; rows of a mask broadcast over
-    queries repeat its one row. Torch operations on the mask's device, once per mask."""
-    _, mstride, (Bm, Hm, _, _), _, (list_tile, rows, tiles, _) = geometry
-    words = _bits_words(tiles, list_tile)
-    m = mask.as_strided((Bm, Hm, Lq if mstride[2] else 1, Lk), mstride)  # the kernels' view, one entry a broadcast dim
-    R = rows * list_tile if mstride[2] else 1
-    m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, R - m.shape[2]))
-    # key j = 64 g + 32 byte + 8 k + 2 word + half: bit 2 k + half of the word's byte
-    m = m.reshape(Bm, Hm, R, words // 4, 2, 4, 4, 2).permute(0, 1, 2, 3, 6, 4, 5, 7)
-    packed = (m.reshape(*m.shape[:-2], 8) * _bit_weights(m.device)).sum(-1, dtype=torch.uint8)  # (..., g, word, byte)
-    packed = torch.nn.functional.pad(packed, (0, 2)).reshape(Bm, Hm, R, words * 4).view(torch.int32)
-    out.view(Bm, Hm, rows, list_tile, words).copy_(
-        packed.view(Bm, Hm, rows, list_tile, words) if mstride[2]
-        else packed[:, :, None].expand(-1, -1, rows, list_tile, -1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1804,8 +1793,8 @@ def _tile_map_spec(kind: int) -> Spec:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_lists_spec(list_tile: int) -> Spec:
-    return Spec(dict(LIST_TILE=list_tile))
+def _tile_lists_spec(list_tile: int, pack_bits: bool) -> Spec:
+    return Spec(dict(LIST_TILE=list_tile, PACK_BITS=pack_bits))
 
 
 # One map per dense mask, reused while the mask is the same tensor object, unchanged (its

@@ -159,10 +159,40 @@ def test_map_launches_are_bound_once_per_geometry(device, monkeypatch):
         assert full_count.cpu().long().tolist() == torch.nn.functional.pad(full.long().cumsum(-1), (1, 0)).tolist()
         bound.append(dict(K._MAP_LAUNCHES))
     # the first mask bound the map and lists launches, the second none (the same launch
-    # objects), the third (its data one byte off: another alignment) the map's
+    # objects), the third (its data one byte off: another alignment) both again (the lists
+    # kernel packs a bool mask's bits)
     assert sorted(key[0] for key in bound[0]) == ["lists", "map"]
     assert bound[1] == bound[0] and all(bound[1][key] is launch for key, launch in bound[0].items())
-    assert sorted(key[0] for key in bound[2]) == ["lists", "map", "map"]
+    assert sorted(key[0] for key in bound[2]) == ["lists", "lists", "map", "map"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["full", "rows1", "heads", "strided"])
+def test_bool_mask_bits_follow_their_layout(layout, device):
+    """The tile lists kernel packs a bool mask's bits after each tile row's lists: query row
+    i's int32 word w holds at bit t key 64 (w // 4) + 8 (t // 2) + 2 (w % 4) + t % 2; keys
+    past Lk, rows past Lq and the upper 16 bits are 0; a mask broadcast over queries gives
+    every row its one row."""
+    B, H, Lq, Lk = 2, 3, 45, 150
+    if layout == "strided":  # rows Lk + 7 apart, starting 3 keys in
+        mask = cell_mask((B, 1, Lq, Lk + 7), device, seed=5)[..., 3:3 + Lk]
+    else:
+        mask = cell_mask({"full": (B, 1, Lq, Lk), "rows1": (B, 1, 1, Lk), "heads": (1, H, Lq, Lk)}[layout],
+                         device, seed=5)
+    _, lists, geometry = K._tile_map_of(mask, (B, H, Lq, Lk))
+    Bm, Hm = geometry[2][:2]
+    list_tile, rows, tiles, _ = geometry[4]
+    width, words = -(-(4 * tiles + 2) // 16) * 16, -(-(tiles * list_tile) // 64) * 4
+    got = lists[..., width:].reshape(Bm, Hm, rows * list_tile, words).cpu().long()
+    m = mask.cpu().expand(B, H, mask.shape[2], Lk)[:Bm, :Hm]
+    if mask.shape[2] == 1:
+        m = m.expand(Bm, Hm, rows * list_tile, Lk)
+    m = torch.nn.functional.pad(m, (0, words * 16 - Lk, 0, rows * list_tile - m.shape[2]))
+    w, t = torch.arange(words)[:, None], torch.arange(16)[None, :]
+    keys = 64 * (w // 4) + 8 * (t // 2) + 2 * (w % 4) + t % 2  # (words, 16)
+    want = (m[..., keys].long() << t).sum(-1)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert int(want.count_nonzero()) > 0
 
 
 def block_mask(shape, device, block, seed=0, kind="bool"):
@@ -207,9 +237,10 @@ def test_masks_with_empty_full_and_partial_list_tiles_match_reference(kind, devi
 @pytest.mark.parametrize("block_n", [64, 128])
 @pytest.mark.parametrize("layout", ["full", "rows1"])
 def test_bool_mask_bits_at_the_gpus_tile_widths(layout, block_n, device, monkeypatch):
-    """A bool mask's listed partial tiles read its bits (kernels/attention.py, _pack_mask_bits):
-    at the GPU's list tile of 128 and key tiles of 64 (one word per row and thread) and 128
-    (two), where the interpreter's own 16-key tiles shift their 64-key group's word."""
+    """A bool mask's listed partial tiles read its bits (kernels/attention.py, packed by
+    _attention_tile_lists_kernel): at the GPU's list tile of 128 and key tiles of 64 (one word
+    per row and thread) and 128 (two), where the interpreter's own 16-key tiles shift their
+    64-key group's word."""
     import triton
 
     tiles = triton.Config({"BLOCK_M": 32, "BLOCK_N": block_n}, num_warps=4, num_stages=1)
