@@ -218,10 +218,10 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
         if kind == MASK_BOOL:  # read as uint8
             target["signature"]["Mask"] = "*u8"
         targets.append(target)
-    for pack_bits in (False, True):  # a float mask's lists; a bool mask's, with its bits (read as uint8)
+    for pack_bits in (False, True):  # a float mask's lists (the codes in Mask's place); a bool mask's, with its bits
         target = _compile_target(tile_lists, "attention_tile_lists", TILE_MAP_CONFIG, None, None, matmul=False,
                                  LIST_TILE=list_tile, PACK_BITS=pack_bits, stride_mask_n=1,
                                  label="bool" if pack_bits else "float")
-        target["signature"]["Mask"] = "*u8" if pack_bits else "*fp32"
+        target["signature"]["Mask"] = "*u8" if pack_bits else "*i8"
         targets.append(target)
     return targets

@@ -522,7 +522,7 @@ def _store_map_level(Map_bh, live, dense, block_m, block_n, CN, unit, a: tl.cons
 def _attention_tile_lists_kernel(
     Lists,  # (Bm, Hm, rows, width) int32, contiguous, written (module docstring)
     TileMap,  # the codes of _attention_tile_map_kernel, contiguous
-    Mask,  # with PACK_BITS, the bool mask as uint8, read at (b, h, i, j) through the strides
+    Mask,  # with PACK_BITS, the bool mask as uint8, read at (b, h, i, j) through the strides; else unused
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,  # 0 on the dims it broadcasts over
     Hm, Lq, Lk,  # the map's heads; the query rows to read (all where it broadcasts over queries), keys
     rows, tiles, width, unit,  # tile rows and columns of the LIST_TILE level, a row's entries; the map's unit
@@ -1774,8 +1774,11 @@ def _build_tile_lists(codes: torch.Tensor, mask: torch.Tensor, geometry, Lq: int
     kind, mstride, (Bm, Hm, _, _), (_, _, _, unit), (list_tile, rows, tiles, _) = geometry
     width = _list_row(kind, tiles, list_tile)
     lists = torch.empty((Bm, Hm, rows, width), dtype=torch.int32, device=codes.device)
-    args = (lists, codes, mask, *mstride, Hm, Lq if mstride[2] else rows * list_tile, Lk, rows, tiles, width, unit)
-    key = ("lists", geometry, sig(mask), Lq, Lk)  # codes and lists: fresh, contiguous, on mask's device
+    bits = kind == MASK_BOOL  # only a bool mask is read, for its bits (codes: a placeholder otherwise)
+    read = (mask, *mstride, Hm, Lq if mstride[2] else rows * list_tile, Lk) if bits else (codes, 0, 0, 0, 0, Hm, 0, 0)
+    args = (lists, codes, *read, rows, tiles, width, unit)
+    # codes and lists: fresh, contiguous; a bool mask's layout and lengths specialise the launch too
+    key = ("lists", geometry, sig(mask), Lq, Lk) if bits else ("lists", geometry, codes.get_device())
     launch = _MAP_LAUNCHES.get(key)
     with on_device(codes):
         if launch is not None:
@@ -1783,7 +1786,7 @@ def _build_tile_lists(codes: torch.Tensor, mask: torch.Tensor, geometry, Lq: int
         else:
             remember(_MAP_LAUNCHES, key, _run(_attention_tile_lists_kernel, _TILE_MAP_CONFIG,
                                               lambda meta: (rows, Bm * Hm), args,
-                                              _tile_lists_spec(list_tile, kind == MASK_BOOL)))
+                                              _tile_lists_spec(list_tile, bits)))
     return lists
 
 
