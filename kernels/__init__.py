@@ -51,6 +51,18 @@ def expansion(dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.T
     return torch.empty((1,), dtype=dtype, device=device).expand(shape)
 
 
+def strided_allocator(device: torch.device):
+    """A function ``(size, stride, dtype) -> uninitialised tensor`` on ``device``'s type, sizes
+    and strides as tuples of ints: the entry points torch's inductor allocates the outputs of
+    its generated code with, which skip the dispatcher (about 60% of ``torch.empty_like``'s
+    host time), else ``torch.empty_strided``. On CUDA it allocates on the current device:
+    call it where ``device`` is current (see on_device)."""
+    fast = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), f"_empty_strided_{device.type}", None)
+    if fast is not None:
+        return fast
+    return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
 _NO_GUARD = contextlib.nullcontext()
 _current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 

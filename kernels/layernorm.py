@@ -69,7 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _current_cuda_device, cdiv, device_index, expansion, multiprocessors, next_power_of_2, on_device
+from . import (_current_cuda_device, cdiv, device_index, expansion, multiprocessors, next_power_of_2, on_device,
+               strided_allocator)
 from ._launch import Launcher, Spec, remember, signature as _sig
 
 __all__ = ["norm_fwd", "norm_infer", "norm_bwd", "norm_site", "NormSite", "compile_targets", "MAX_FUSED_N", "MAX_FUSED_N_BWD"]
@@ -184,25 +185,27 @@ def _resident_programs(device: torch.device, num_warps: int) -> int:
 # Kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _first_h(x_ptrs, r_ptrs, ok, H, HAS_RESIDUAL: tl.constexpr):
+def _first_h(x_ptrs, R, r_offsets, ok, H, HAS_RESIDUAL: tl.constexpr):
     """h at the first column of rows, fp32 (0 where not ok): x, or x + r rounded to h's dtype
-    as the stored h is. The LayerNorm statistics are taken about it."""
+    as the stored h is. The LayerNorm statistics are taken about it. R and H are None
+    without a residual, so they are touched only under HAS_RESIDUAL."""
     first = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        first = (first + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+        first = (first + tl.load(R + r_offsets, mask=ok, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        first = first.to(tl.float32)
     return first
 
 
 @triton.jit
 def _norm_fwd_kernel(
     X,  # input, (M, N), row stride stride_x_m
-    R,  # residual, (M, N) (unused unless HAS_RESIDUAL)
-    W,  # weight, (N,) (unused unless HAS_WEIGHT)
-    B,  # bias, (N,) (unused unless HAS_BIAS)
+    R,  # residual, (M, N) (None unless HAS_RESIDUAL)
+    W,  # weight, (N,) (None unless HAS_WEIGHT)
+    B,  # bias, (N,) (None unless HAS_BIAS)
     Y,  # output, (M, N) in X's dtype
-    H,  # h = x + r, (M, N) in X's dtype (unused unless HAS_RESIDUAL)
-    MEAN,  # (M,) fp32 (unused when IS_RMS)
-    RSTD,  # (M,) fp32
+    H,  # h = x + r, (M, N) in X's dtype (None unless HAS_RESIDUAL)
+    MEAN,  # (M,) fp32 (None when IS_RMS or not STORE_STATS)
+    RSTD,  # (M,) fp32 (None unless STORE_STATS)
     stride_x_m,
     stride_r_m,
     stride_y_m,
@@ -241,7 +244,7 @@ def _norm_fwd_kernel(
     else:
         # the mean of h about each row's first value: exact for a row of one repeated value
         # (sum / N is not: 0.3 * 100 / 100 != 0.3), whose xhat must be 0, not rounding noise
-        first = _first_h(X + rows * stride_x_m, R + rows * stride_r_m, row_mask, H, HAS_RESIDUAL)
+        first = _first_h(X + rows * stride_x_m, R, rows * stride_r_m, row_mask, H, HAS_RESIDUAL)
         mean = first + tl.sum(tl.where(mask, h - first[:, None], 0.0), axis=1) / N
         diff = tl.where(mask, h - mean[:, None], 0.0)
         var = tl.sum(diff * diff, axis=1) / N
@@ -263,13 +266,13 @@ def _norm_fwd_kernel(
 @triton.jit
 def _norm_fwd_split_kernel(
     X,  # input, (M, N), row stride stride_x_m
-    R,  # residual, (M, N) (unused unless HAS_RESIDUAL)
-    W,  # weight, (N,) (unused unless HAS_WEIGHT)
-    B,  # bias, (N,) (unused unless HAS_BIAS)
+    R,  # residual, (M, N) (None unless HAS_RESIDUAL)
+    W,  # weight, (N,) (None unless HAS_WEIGHT)
+    B,  # bias, (N,) (None unless HAS_BIAS)
     Y,  # output, (M, N) in X's dtype
-    H,  # h = x + r, (M, N) in X's dtype (unused unless HAS_RESIDUAL)
-    MEAN,  # (M,) fp32 (unused when IS_RMS)
-    RSTD,  # (M,) fp32
+    H,  # h = x + r, (M, N) in X's dtype (None unless HAS_RESIDUAL)
+    MEAN,  # (M,) fp32 (None when IS_RMS or not STORE_STATS)
+    RSTD,  # (M,) fp32 (None unless STORE_STATS)
     stride_x_m,
     stride_r_m,
     stride_y_m,
@@ -287,15 +290,15 @@ def _norm_fwd_split_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     x_row = X + row * stride_x_m
-    r_row = R + row * stride_r_m
-    h_row = H + row * stride_h_m
+    r_offset = row * stride_r_m  # R and H are None without a residual: offsets, not pointers
+    h_offset = row * stride_h_m
     y_row = Y + row * stride_y_m
 
     # pass 1: statistics, chunk by chunk (Chan's combination of per-chunk mean and M2), of
     # h - first with first = h[0] (the rounded h): exact for a row of one repeated value
     first = 0.0
     if not IS_RMS:
-        first = _first_h(x_row, r_row, True, H, HAS_RESIDUAL)
+        first = _first_h(x_row, R, r_offset, True, H, HAS_RESIDUAL)
     mean = tl.zeros((), dtype=tl.float32)
     m2 = tl.zeros((), dtype=tl.float32)  # Σ(h - mean)², or Σh² for RMSNorm
     n = tl.zeros((), dtype=tl.float32)  # elements combined so far
@@ -304,8 +307,8 @@ def _norm_fwd_split_kernel(
         mask = c < N
         h = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            h_out = (h + tl.load(r_row + c, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
-            tl.store(h_row + c, h_out, mask=mask)
+            h_out = (h + tl.load(R + r_offset + c, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + h_offset + c, h_out, mask=mask)
             h = h_out.to(tl.float32)
         if IS_RMS:
             m2 += tl.sum(h * h, axis=0)
@@ -332,7 +335,8 @@ def _norm_fwd_split_kernel(
         mask = c < N
         h = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            h = (h + tl.load(r_row + c, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+            r = tl.load(R + r_offset + c, mask=mask, other=0.0).to(tl.float32)
+            h = (h + r).to(H.dtype.element_ty).to(tl.float32)
         if IS_RMS:
             y = h * rstd
         else:
@@ -635,10 +639,8 @@ def norm_fwd(x, residual, weight, bias, eps, rms, stats: bool = True):
     if stats:
         mean = None if rms else torch.empty((M,), dtype=torch.float32, device=x.device)
         rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-    args = (
-        x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
-        y, y if h is None else h, mean if mean is not None else rstd if rstd is not None else y,
-        y if rstd is None else rstd,  # stand-ins for absent outputs are never written
+    args = (  # absent tensors pass as None: Triton makes them constexprs, and they cost no launch time
+        x, residual, weight, bias, y, h, mean, rstd,
         x_stride, x_stride if residual is None else residual.stride(0), N, N,  # y and h are fresh (M, N) rows
         M, N, float(eps),
     )
@@ -779,28 +781,30 @@ class NormSite:
     (M, N) view, and the outputs are allocated in x's shape. Made by :func:`norm_site` once
     per kind of call; ``infer`` (no statistics), ``forward`` and ``backward`` launch."""
 
-    __slots__ = ("M", "N", "rms", "shape", "rows", "ints", "stats_like", "launches", "bwd_sites")
+    __slots__ = ("M", "N", "rms", "shape", "rows", "ints", "size", "stride", "dtype", "alloc", "launches",
+                 "bwd_sites")
 
     def __init__(self, x: torch.Tensor, rms: bool, n: int):
         self.M, self.N, self.rms = x.numel() // n, n, rms
         self.shape, self.rows = x.shape, x.dim() == 2
         self.ints = (n, n, n, n, self.M, n)  # row strides of x, residual, y, h; M, N
-        self.stats_like = expansion(torch.float32, x.device, (self.M,))  # the (M,) fp32 statistics' template
+        # the outputs' layout: x's (contiguous), and the allocator of x's device
+        self.size, self.stride, self.dtype = tuple(x.shape), x.stride(), x.dtype
+        self.alloc = strided_allocator(x.device)
         self.launches = [None, None]  # bound forward launches, without and with statistics
         self.bwd_sites: dict = {}  # backward launches by the gradients' alignment
 
     def _forward(self, x, residual, weight, bias, eps, stats: bool):
-        y = _empty_like(x)
-        h = None if residual is None else _empty_like(x)
-        mean = rstd = None
-        if stats:
-            mean = None if self.rms else _empty_like(self.stats_like)
-            rstd = _empty_like(self.stats_like)
-        args = (x, x if residual is None else residual, x if weight is None else weight, x if bias is None else bias,
-                y, y if h is None else h, mean if mean is not None else rstd if rstd is not None else y,
-                y if rstd is None else rstd, *self.ints, eps)
-        launch = self.launches[stats]
-        with on_device(x):
+        with on_device(x):  # the allocator allocates on the current device
+            alloc, size, stride = self.alloc, self.size, self.stride
+            y = alloc(size, stride, self.dtype)
+            h = None if residual is None else alloc(size, stride, self.dtype)
+            mean = rstd = None
+            if stats:
+                mean = None if self.rms else alloc((self.M,), (1,), torch.float32)
+                rstd = alloc((self.M,), (1,), torch.float32)
+            args = (x, residual, weight, bias, y, h, mean, rstd, *self.ints, eps)  # absent ones: None (constexprs)
+            launch = self.launches[stats]
             if launch is not None:
                 launch(args)
             else:
@@ -812,23 +816,16 @@ class NormSite:
     def infer(self, x, residual, weight, bias, eps: float):
         """(y, h or None) in x's shape, without the statistics a backward reads."""
         launch = self.launches[0]
-        if launch is None:
+        if launch is None or x.is_cuda and x.get_device() != _current_cuda_device():
             y, h, _, _ = self._forward(x, residual, weight, bias, eps, False)
             return y, h
         # _forward's launch, in one frame: every eager call without a gradient runs it
-        y = _empty_like(x)
+        y = self.alloc(self.size, self.stride, self.dtype)
         if residual is None:
-            args = (x, x, x if weight is None else weight, x if bias is None else bias, y, y, y, y, *self.ints, eps)
-            h = None
-        else:
-            h = _empty_like(x)
-            args = (x, residual, x if weight is None else weight, x if bias is None else bias, y, h, y, y, *self.ints,
-                    eps)
-        if x.is_cuda and x.get_device() != _current_cuda_device():  # on_device's test, without its frame
-            with on_device(x):
-                launch(args)
-        else:
-            launch(args)
+            launch((x, None, weight, bias, y, None, None, None, *self.ints, eps))
+            return y, None
+        h = self.alloc(self.size, self.stride, self.dtype)
+        launch((x, residual, weight, bias, y, h, None, None, *self.ints, eps))
         return y, h
 
     def forward(self, x, residual, weight, bias, eps: float):
