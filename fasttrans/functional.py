@@ -89,6 +89,8 @@ def _selected_backend(op: str, device: str, dtype: torch.dtype | None = None) ->
 # dispatch modes (FakeTensorMode, ...) and tensor subclasses (DTensor, ...) see the
 # registered ops, which stay what opcheck tests.
 _functorch = torch._C._functorch
+_current_level = _functorch.maybe_current_level  # the innermost torch.func transform's level, or None
+_INF = math.inf
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
@@ -612,18 +614,23 @@ def _norm_outputs(y, h, residual, rows: bool, x):
     return y, h
 
 
-def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
+def _norm_fast(x, residual, weight, bias, eps, rms: bool, n):
     """(y, h or None) of a norm call in the common case, or None for any other call, which
     the general route takes (and reports, when it is invalid). The common case: plain
     contiguous tensors of one float dtype and device with x's last dim n, (n,) parameters, a
     float eps, eager mode with no torch.func transform, forward-AD level or dispatch mode
     (the tensors as fasttrans.backends.norm_tensors takes them). Its result is the general
     route's. A backend with an entry for the common case (the extension's in
-    csrc/eager.cpp, the Triton kernels' launch sites) checks the tensors itself."""
-    if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < math.inf or _is_compiling()
-            or _functorch.maybe_current_level() is not None or getattr(_fwAD, "_current_level", 0) >= 0
+    csrc/eager.cpp, the Triton kernels' launch sites) checks the tensors itself. ``n``: the
+    size, or a normalized_shape that must name one dim."""
+    if (type(x) not in _PLAIN_TENSORS or type(eps) is not float or not 0.0 <= eps < _INF or _is_compiling()
+            or _current_level() is not None or _fwAD._current_level >= 0
             or _dispatch_stack_len is None or _dispatch_stack_len()):
         return None
+    if type(n) is not int:
+        n = _single_dim(n)
+        if n is None:
+            return None
     dtype = x.dtype
     if dtype not in _FLOAT_DTYPES:
         return None
@@ -650,12 +657,6 @@ def _norm_fast(x, residual, weight, bias, eps, rms: bool, n: int):
     return _norm_outputs(y, h, residual, rows, x)
 
 
-def _norm_fast_over(x, normalized_shape, weight, bias, eps, rms: bool):
-    """:func:`_norm_fast` for a norm over ``normalized_shape``, which must name one dim."""
-    n = normalized_shape if type(normalized_shape) is int else _single_dim(normalized_shape)
-    return None if n is None else _norm_fast(x, None, weight, bias, eps, rms, n)
-
-
 def layer_norm(
     x: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -664,7 +665,7 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """Same as ``torch.nn.functional.layer_norm``; statistics in fp32."""
-    out = _norm_fast_over(x, normalized_shape, weight, bias, eps, False)
+    out = _norm_fast(x, None, weight, bias, eps, False, normalized_shape)
     if out is not None:
         return out[0]
     shape = _validate_norm(x, normalized_shape, weight, bias, eps)
@@ -720,7 +721,7 @@ def rms_norm(
     ``torch.finfo(x.dtype).eps`` for float32/float64, float32's for float16/bfloat16.
     """
     fast_eps = _RMS_DEFAULT_EPS.get(x.dtype) if eps is None and type(x) in _PLAIN_TENSORS else eps
-    out = None if fast_eps is None else _norm_fast_over(x, normalized_shape, weight, None, fast_eps, True)
+    out = None if fast_eps is None else _norm_fast(x, None, weight, None, fast_eps, True, normalized_shape)
     if out is not None:
         return out[0]
     shape = _validate_norm(x, normalized_shape, weight, None, eps, eps_may_be_none=True, layer_norm_dtypes=False)
