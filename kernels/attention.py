@@ -145,7 +145,8 @@ import triton.language as tl
 from fasttrans.dropout_spec import attention_dropout_threshold
 from fasttrans.environ import getenv
 
-from . import _attention_targets, capability, cdiv, device_index, expansion, next_power_of_2, on_device
+from . import (_attention_targets, capability, cdiv, device_index, expansion, next_power_of_2, on_device,
+               strided_allocator)
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
@@ -2098,7 +2099,6 @@ def attention_dropout_mask(q, k, dropout_p, seed):
 # --------------------------------------------------------------------------------------
 # Public calls (fasttrans.functional's common case, through fasttrans.backends)
 # --------------------------------------------------------------------------------------
-_CONTIGUOUS = torch.contiguous_format
 
 
 class AttentionSite:
@@ -2111,16 +2111,19 @@ class AttentionSite:
     launches are kept per (dropout_p, the seed's integer class), which Triton specialises
     on. Made by :func:`attention_site`; ``forward`` and ``backward`` launch."""
 
-    __slots__ = ("B", "H", "Lq", "D", "is_causal", "scale", "bool_mask", "q_contiguous", "lse_like", "kernel",
-                 "dropout_kernels", "q_strides", "bwd_sites")
+    __slots__ = ("B", "H", "Lq", "D", "is_causal", "scale", "bool_mask", "lse_like", "kernel", "dropout_kernels",
+                 "q_strides", "bwd_sites", "alloc", "dtype", "out_layout", "lse_layout")
 
     def __init__(self, q, attn_mask, is_causal: bool):
         self.B, self.H, self.Lq, self.D = B, H, Lq, D = q.shape
         self.is_causal = is_causal
         self.scale = 1.0 / math.sqrt(D)  # the default
         self.bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
-        self.q_contiguous = q.is_contiguous()
         self.lse_like = expansion(torch.float32, q.device, (B, H, Lq))
+        # out and lse are allocated contiguous, through the allocator of q's device
+        self.alloc, self.dtype = strided_allocator(q.device), q.dtype
+        self.out_layout = ((B, H, Lq, D), (H * Lq * D, Lq * D, D, 1))
+        self.lse_layout = ((B, H, Lq), (H * Lq, Lq, 1))
         self.kernel = None  # the forward's (launch, ints, tail, map geometry), from its first call
         self.dropout_kernels: dict = {}  # the same with dropout, by (dropout_p, the seed's int_class)
         self.q_strides = q.stride()[:3]
@@ -2150,18 +2153,19 @@ class AttentionSite:
         if dropout_p != 0.0:
             tail = (tail[0], seed, tail[2], tail[3])
         Lk = k.shape[2]
-        out = _empty_like(q) if self.q_contiguous else _empty_like(q, memory_format=_CONTIGUOUS)
-        lse = _empty_like(self.lse_like)
         # the mask as it is: the strides of its broadcast are among ints
         mask = q if attn_mask is None else attn_mask.view(torch.uint8) if self.bool_mask else attn_mask
         tmap, lists = (q, q) if attn_mask is None else tile_map(attn_mask, mask, geometry, self.Lq, Lk)
         kl = q if key_lengths is None else (key_lengths if key_lengths.dtype == torch.int32
                                              and key_lengths.is_contiguous() else _lengths_operand(key_lengths, q))
-        args = (q, k, v, out, lse, mask, tmap, lists, kl, *self.q_strides, *ints, Lk,
+        args = (mask, tmap, lists, kl, *self.q_strides, *ints, Lk,
                 max(-self.Lq, min(causal_offset, Lk)),
                 self.scale if scale is None else scale, dropout_p, *tail)
-        with on_device(q):
-            launch(args)
+        with on_device(q):  # the allocator allocates on the current device
+            alloc = self.alloc
+            out = alloc(*self.out_layout, self.dtype)
+            lse = alloc(*self.lse_layout, torch.float32)
+            launch((q, k, v, out, lse) + args)
         return out, lse
 
     def _first(self, q, k, v, attn_mask, key_lengths, causal_offset, scale, dropout_p, seed):
