@@ -237,11 +237,13 @@ def test_cli_demo_reports_model_and_baseline(tmp_path, capsys):
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
 
 
-@pytest.mark.slow(minutes=8)
+@pytest.mark.slow(minutes=6)
 def test_demo_recipe_learns_the_task(tmp_path, capsys):
-    """The main job as `make demo` runs it (default recipe, 3000 steps: a few minutes on
-    two cores): the model's held-out MAE is at least 6x below the constant baseline's."""
-    assert cli.main(["demo", "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    """The main job as `make demo` runs it (default recipe, 3000 steps: a few minutes),
+    on one thread: the suite's other worker keeps the machine's other core busy, and two
+    threads each would contend for both. The model's held-out MAE is at least 6x below the
+    constant baseline's."""
+    assert cli.main(["demo", "--out-dir", str(tmp_path), "--no-progress", "--threads", "1"]) == 0
     report = json.loads((tmp_path / "metrics.json").read_text())["report"]
     assert report["n"] == 1000 and report["well_formed"] >= 0.99
     assert report["mae"] * 6 <= report["baseline_mae"], report
