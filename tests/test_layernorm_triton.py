@@ -361,3 +361,24 @@ def test_gpu_backward_is_deterministic(shape):
         again = _run(_triton, "add_layer_norm", inputs, grads)
         for name in first:
             assert torch.equal(first[name], again[name]), name
+
+
+@pytest.mark.parametrize("route", ["inductor entry", "empty_strided"])
+def test_site_outputs_are_allocated_in_the_layout_asked(monkeypatch, route):
+    """The sites allocate through inductor's allocation entry points, or torch.empty_strided
+    where a torch has none: either gives the size, strides and dtype asked, on the device."""
+    from fasttrans.kernels import strided_allocator
+
+    if route == "empty_strided":
+        monkeypatch.delattr(torch._C._dynamo.guards, f"_empty_strided_{torch.device(DEVICE).type}")
+    alloc = strided_allocator(torch.device(DEVICE))
+    for size, stride, dtype in (((2, 3, 8), (24, 8, 1), torch.float16), ((5,), (1,), torch.float32),
+                                ((1, 4), (4, 1), torch.bfloat16)):
+        t = alloc(size, stride, dtype)
+        assert (t.shape, t.stride(), t.dtype, t.device.type, t.requires_grad) == (
+            size, stride, dtype, torch.device(DEVICE).type, False)
+    x = torch.randn(3, 2, 40, device=DEVICE)
+    with fasttrans.use_backend("triton"):
+        y = fasttrans.layer_norm(x, 40, eps=EPS)
+    assert y.shape == x.shape and y.is_contiguous()
+    torch.testing.assert_close(y, F.layer_norm(x, (40,), eps=EPS))
