@@ -54,9 +54,10 @@ def expansion(dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.T
 def strided_allocator(device: torch.device):
     """A function ``(size, stride, dtype) -> uninitialised tensor`` on ``device``'s type, sizes
     and strides as tuples of ints: the entry points torch's inductor allocates the outputs of
-    its generated code with, which skip the dispatcher (about 60% of ``torch.empty_like``'s
-    host time), else ``torch.empty_strided``. On CUDA it allocates on the current device:
-    call it where ``device`` is current (see on_device)."""
+    its generated code with, which skip the dispatcher (cheaper than ``torch.empty_like`` of
+    an :func:`expansion`), else ``torch.empty_strided``. On CUDA it allocates on the current
+    device: call it where ``device`` is current (see on_device). The launch sites allocate
+    their outputs with it; the workspaces still come from expansions."""
     fast = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), f"_empty_strided_{device.type}", None)
     if fast is not None:
         return fast
