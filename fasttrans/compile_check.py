@@ -27,7 +27,10 @@ one dict per (kernel, shipped launch configuration, specialisation):
 
 Every target is compiled with ``triton.compile`` for each requested architecture and checked:
 
-    registers, spills   from the ptxas Triton itself uses for that architecture (``-v`` output)
+    registers, spills   from ``ptxas -v`` on the kernel's PTX, the ptxas Triton picks for that
+                        architecture, without the options Triton's own run may add (Triton
+                        3.9 adds --regAllocOptLevel=2, under which its binaries can differ:
+                        benchmarks/README.md, "Register counts under Triton 3.9's ptxas options")
     shared_bytes        ``metadata.shared``; must fit the architecture's per-block limit
     tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90; mma.sync too
                         for targets with wgmma=False)
