@@ -781,12 +781,11 @@ class NormSite:
     (M, N) view, and the outputs are allocated in x's shape. Made by :func:`norm_site` once
     per kind of call; ``infer`` (no statistics), ``forward`` and ``backward`` launch."""
 
-    __slots__ = ("M", "N", "rms", "shape", "rows", "ints", "size", "stride", "dtype", "alloc", "launches",
-                 "bwd_sites")
+    __slots__ = ("M", "N", "rms", "rows", "ints", "size", "stride", "dtype", "alloc", "launches", "bwd_sites")
 
     def __init__(self, x: torch.Tensor, rms: bool, n: int):
         self.M, self.N, self.rms = x.numel() // n, n, rms
-        self.shape, self.rows = x.shape, x.dim() == 2
+        self.rows = x.dim() == 2
         self.ints = (n, n, n, n, self.M, n)  # row strides of x, residual, y, h; M, N
         # the outputs' layout: x's (contiguous), and the allocator of x's device
         self.size, self.stride, self.dtype = tuple(x.shape), x.stride(), x.dtype
@@ -852,7 +851,7 @@ class NormSite:
             dh = None if dh is None else dh.view(M, N)
         with on_device(h):
             dx, dw, db = _norm_bwd(dy, dh, h, weight, bias, mean, rstd, self.rms, key, self.bwd_sites)
-        return (dx if self.rows else dx.view(self.shape)), dw, db
+        return (dx if self.rows else dx.view(self.size)), dw, db
 
 
 _NORM_SITES: dict = {}

@@ -369,16 +369,22 @@ def test_site_outputs_are_allocated_in_the_layout_asked(monkeypatch, route):
     where a torch has none: either gives the size, strides and dtype asked, on the device."""
     from fasttrans.kernels import strided_allocator
 
+    name = f"_empty_strided_{torch.device(DEVICE).type}"
+    fast = getattr(torch._C._dynamo.guards, name)
     if route == "empty_strided":
-        monkeypatch.delattr(torch._C._dynamo.guards, f"_empty_strided_{torch.device(DEVICE).type}")
+        monkeypatch.delattr(torch._C._dynamo.guards, name)
     alloc = strided_allocator(torch.device(DEVICE))
     for size, stride, dtype in (((2, 3, 8), (24, 8, 1), torch.float16), ((5,), (1,), torch.float32),
                                 ((1, 4), (4, 1), torch.bfloat16)):
         t = alloc(size, stride, dtype)
         assert (t.shape, t.stride(), t.dtype, t.device.type, t.requires_grad) == (
             size, stride, dtype, torch.device(DEVICE).type, False)
+    # a fresh site, made with this route's allocator, launches the call below
+    monkeypatch.setattr(K, "_NORM_SITES", {})
     x = torch.randn(3, 2, 40, device=DEVICE)
     with fasttrans.use_backend("triton"):
         y = fasttrans.layer_norm(x, 40, eps=EPS)
+    (site,) = K._NORM_SITES.values()
+    assert (site.alloc is fast) == (route == "inductor entry")
     assert y.shape == x.shape and y.is_contiguous()
     torch.testing.assert_close(y, F.layer_norm(x, (40,), eps=EPS))
