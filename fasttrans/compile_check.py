@@ -27,10 +27,11 @@ one dict per (kernel, shipped launch configuration, specialisation):
 
 Every target is compiled with ``triton.compile`` for each requested architecture and checked:
 
-    registers, spills   from ``ptxas -v`` on the kernel's PTX, the ptxas Triton picks for that
-                        architecture, without the options Triton's own run may add (Triton
-                        3.9 adds --regAllocOptLevel=2, under which its binaries can differ:
-                        benchmarks/README.md, "Register counts under Triton 3.9's ptxas options")
+    registers, spills   of the binary Triton built (``cuobjdump -res-usage``): its registers
+                        per thread and its stack frame in bytes, where ptxas puts the
+                        registers it spills (any frame fails the build), so these are the
+                        counts of the code that launches, under the options Triton's own
+                        ptxas run adds (Triton 3.9: --regAllocOptLevel=2)
     shared_bytes        ``metadata.shared``; must fit the architecture's per-block limit
     tensor_cores        every tl.dot lowered to mma.sync (sm_80) or wgmma (sm_90; mma.sync too
                         for targets with wgmma=False)
@@ -52,7 +53,7 @@ status is 0 only when every build is ok; a kernels module that cannot be importe
 The compilation runs in worker subprocesses without ``TRITON_INTERPRET``: with the
 interpreter on (as in the CPU test suite), ``@triton.jit`` yields interpreter objects that
 cannot be compiled. Results are cached by Triton (``~/.triton/cache``), so a second run only
-re-runs ptxas for the resource counts.
+reads the cached binaries.
 """
 
 from __future__ import annotations
@@ -162,25 +163,19 @@ def _signature(t: dict) -> tuple[dict, dict, dict]:
     return sig, constexprs, attrs
 
 
-def _ptxas_resources(ptx: str, cap: int) -> tuple[int | None, int | None, str]:
-    """(registers, spill bytes (stores + loads), log) from the ptxas Triton uses for ``cap``."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+def _binary_resources(cubin: bytes) -> tuple[int | None, int | None, str]:
+    """(registers, stack frame bytes, cuobjdump's text) of the binary Triton built: the one
+    that launches, with whatever options Triton's own ptxas run added."""
+    from triton.tools.disasm import path_to_cuobjdump
 
-    ptxas = get_ptxas(cap).path
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run(
-            [ptxas, "-v", f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(tmp, "kernel.o")],
-            capture_output=True, text=True,
-        )
-    log = proc.stderr + proc.stdout
-    regs = re.search(r"Used (\d+) registers", log)
-    stores = re.search(r"(\d+) bytes spill stores", log)
-    loads = re.search(r"(\d+) bytes spill loads", log)
-    spills = int(stores.group(1)) + int(loads.group(1)) if stores and loads else None
-    return (int(regs.group(1)) if regs else None), spills, log
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        proc = subprocess.run([path_to_cuobjdump(), "-res-usage", path], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", log)
+    return (int(usage.group(1)), int(usage.group(2)), log) if usage else (None, None, log)
 
 
 def _tensor_core_dots(ttgir: str, cap: int, mma_sync_ok: bool = False) -> tuple[int, int]:
@@ -291,7 +286,7 @@ def _build(module: str, t: dict, arch: str) -> dict:
         return row
     ptx = kernel.asm["ptx"]
     row["shared_bytes"] = int(kernel.metadata.shared)
-    row["registers"], row["spills"], log = _ptxas_resources(ptx, cap)
+    row["registers"], row["spills"], log = _binary_resources(kernel.asm["cubin"])
     mma_sync_ok = cap >= 90 and not t.get("wgmma", True)
     dots, lowered = _tensor_core_dots(kernel.asm["ttgir"], cap, mma_sync_ok)
     instructions = ("wgmma.mma_async",) if cap >= 90 else ("mma.sync",)
@@ -315,9 +310,9 @@ def _build(module: str, t: dict, arch: str) -> dict:
         elif row["loop_per_element"] > goal:
             problems.append(f"main loop: {row['loop_per_element']} SASS instructions per score element > {goal}")
     if row["registers"] is None or row["spills"] is None:
-        problems.append(f"could not read ptxas resource usage: {log.strip()[-300:]}")
+        problems.append(f"could not read the binary's resource usage: {log.strip()[-300:]}")
     elif row["spills"]:
-        problems.append(f"{row['spills']} bytes of register spills")
+        problems.append(f"register spills: a {row['spills']}-byte stack frame")
     if row["shared_bytes"] > SHARED_LIMIT[cap]:
         problems.append(f"{row['shared_bytes']} bytes of shared memory > the {SHARED_LIMIT[cap]} available on {arch}")
     if t["matmul"] and not row["tensor_cores"]:

@@ -3,8 +3,8 @@
 The full check compiles every target of kernels/attention.py and kernels/layernorm.py for
 sm_80 and sm_90 (no GPU needed) and requires zero register spills, shared memory within the
 architecture's limit and tensor-core matmuls (mma.sync / wgmma). It is the slowest test here:
-a first run compiles every build (minutes on two cores); later runs hit Triton's cache and only
-re-run ptxas. The other tests check that the tool can fail: a spilling configuration, a matmul
+a first run compiles every build (minutes on two cores); later runs read Triton's cached
+binaries. The other tests check that the tool can fail: a spilling configuration, a matmul
 that misses the tensor cores, a module without compile_targets, a module that does not exist.
 """
 
@@ -79,6 +79,32 @@ def test_rejects_an_unknown_arch():
     with pytest.raises(SystemExit) as e:
         compile_check.main(["--arch", "sm_70"])
     assert e.value.code == 2
+
+
+
+def test_counts_are_those_of_the_binary_triton_built(tmp_path):
+    """Registers and stack frame come from the binary Triton's own ptxas run built, with the
+    options that run adds: they match the log that run prints (a fresh cache compiles)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    # a tile far too large for the registers: a nonzero stack frame to compare too
+    code = ("import json; from fasttrans import compile_check as c; from fasttrans.kernels import attention as a; "
+            "from fasttrans.kernels._attention_configs import _cfg; "
+            "from fasttrans.kernels._attention_targets import _compile_target; "
+            "t = _compile_target(a._attention_fwd_kernel, 'oversized_fwd', _cfg(256, 64, 4, 1), 128, 'light'); "
+            "print(json.dumps(c._build('attention', t, 'sm_90')))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, as the workers do
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DUMP_PTXAS_LOG="1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    log = proc.stdout
+    assert row["registers"] == int(re.search(r"Used (\d+) registers", log).group(1)), (row, log)
+    assert row["spills"] == int(re.search(r"(\d+) bytes stack frame", log).group(1)) > 0, (row, log)
 
 
 @pytest.fixture
