@@ -42,9 +42,9 @@ def _cfg(block_m: int, block_n: int | None, num_warps: int, num_stages: int) -> 
 # computes transposed for that reason).
 # Two more weights, "bool" (a dense bool mask, with or without dropout: its partial tiles read
 # the mask's bits, its full tiles no mask at all) and "dropout" (dropout without a dense mask), have
-# entries where compile-check found tiles larger than the heavy ones, with fewer SASS
-# instructions per score and no spills, under Triton 3.9 and 3.6 alike; elsewhere they take
-# the heavy entry (attention._table_class).
+# entries where compile-check found tiles larger than the heavy ones or fewer SASS
+# instructions per score, without spills; elsewhere they take the heavy entry
+# (attention._table_class).
 FWD_CONFIGS = {
     # sm_90 16-bit light entries load their loop's tiles through TMA where the layout allows
     # (attention._tma_layout) and by cp.async elsewhere: compile-check builds both
@@ -74,13 +74,13 @@ BWD_DKDV_CONFIGS = {
     "sm_90": {  # query tiles of 64 where they fit: the transposed S^T = K Q^T then has wgmma N = 64
         (64, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
         (64, "heavy"): [_cfg(32, 64, 4, 2)],
-        (64, "dropout"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
+        (64, "dropout"): [_cfg(64, 128, 8, 1), _cfg(32, 128, 8, 2)],
         (128, "light"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2)],
-        (128, "heavy"): [_cfg(16, 64, 8, 1), _cfg(16, 128, 8, 1)],
-        (128, "bool"): [_cfg(16, 128, 8, 2)],
+        (128, "heavy"): [_cfg(16, 128, 8, 1)],
+        (128, "bool"): [_cfg(16, 128, 8, 1)],
         (128, "dropout"): [_cfg(32, 128, 8, 2)],
         (256, "light"): [_cfg(16, 64, 8, 2)],
-        (256, "heavy"): [_cfg(16, 64, 8, 2)],
+        (256, "heavy"): [_cfg(16, 16, 4, 1), _cfg(16, 32, 8, 1)],  # mma.sync: every 64-key tile spills dK
     },
     "sm_80": {
         (64, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)],
@@ -106,12 +106,12 @@ BWD_DQ_CONFIGS = {
         (64, "heavy"): [_cfg(64, 16, 4, 1)],  # key tiles of 32 spill beside the loops over listed tiles
         (64, "bool"): [_cfg(128, 64, 8, 2)],
         (64, "dropout"): [_cfg(128, 64, 8, 2)],
-        (128, "light"): [_cfg(64, 128, 4, 2), _cfg(128, 128, 8, 1)],  # within the loop goal too
+        (128, "light"): [_cfg(64, 128, 4, 1), _cfg(128, 128, 8, 1)],  # within the loop goal too
         (128, "heavy"): [_cfg(64, 16, 4, 2), _cfg(128, 16, 8, 2)],
         (128, "bool"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (128, "dropout"): [_cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
         (256, "light"): [_cfg(128, 32, 8, 2)],
-        (256, "heavy"): [_cfg(32, 16, 4, 2)],  # mma.sync: every 64-row tile spills
+        (256, "heavy"): [_cfg(16, 16, 4, 2)],  # mma.sync: every 64-row tile spills
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 4, 1), _cfg(64, 32, 4, 2)],
@@ -130,12 +130,12 @@ BWD_DQ_CONFIGS = {
 # IEEE fp32 on FMA units in small tiles instead: FP32_IEEE_CLASSES.
 FWD_CONFIGS_FP32 = {
     "sm_90": {
-        (64, "light"): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
+        (64, "light"): [_cfg(128, 64, 8, 1), _cfg(128, 32, 8, 2)],
         (64, "heavy"): [_cfg(64, 32, 4, 1)],
-        (128, "light"): [_cfg(128, 16, 8, 2), _cfg(64, 16, 4, 2)],
+        (128, "light"): [_cfg(16, 32, 4, 1)],
         (128, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 16, 8, 1)],
         (256, "light"): [_cfg(16, 16, 8, 1)],
-        (256, "heavy"): [_cfg(16, 16, 4, 1)],
+        (256, "heavy"): [_cfg(16, 16, 8, 1)],
     },
     "sm_80": {
         (64, "light"): [_cfg(128, 32, 8, 2), _cfg(128, 16, 8, 2)],
@@ -149,9 +149,9 @@ FWD_CONFIGS_FP32 = {
 BWD_DKDV_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(32, 128, 8, 1), _cfg(16, 128, 8, 2)],
-        (64, "heavy"): [_cfg(16, 32, 4, 1), _cfg(16, 32, 4, 2)],
+        (64, "heavy"): [_cfg(16, 32, 4, 2), _cfg(16, 16, 4, 1)],
         (128, "light"): [_cfg(16, 16, 4, 1)],
-        (128, "heavy"): [_cfg(16, 16, 4, 1)],
+        (128, "heavy"): [_cfg(16, 16, 8, 2)],
         (256, "light"): [_cfg(16, 32, 4, 1)],
         (256, "heavy"): [_cfg(16, 32, 8, 1)],
     },
@@ -167,8 +167,8 @@ BWD_DKDV_CONFIGS_FP32 = {
 BWD_DQ_CONFIGS_FP32 = {
     "sm_90": {
         (64, "light"): [_cfg(128, 64, 8, 1), _cfg(128, 32, 8, 2)],
-        (64, "heavy"): [_cfg(128, 16, 8, 1)],
-        (128, "light"): [_cfg(16, 32, 4, 2)],
+        (64, "heavy"): [_cfg(16, 16, 4, 1), _cfg(16, 32, 8, 1)],
+        (128, "light"): [_cfg(16, 32, 4, 1)],
         (128, "heavy"): [_cfg(16, 16, 8, 1)],
         (256, "light"): [_cfg(16, 16, 4, 2)],
         (256, "heavy"): [_cfg(16, 16, 8, 2)],
@@ -182,23 +182,27 @@ BWD_DQ_CONFIGS_FP32 = {
         (256, "heavy"): [_cfg(16, 16, 8, 2)],
     },
 }
-# Triton 3.6's ptxas (the Triton of torch 2.11) spills in these classes' entries above,
-# where 3.9's does not: below Triton 3.9 they take the entries compile-check builds without
-# spills under 3.6. (table name, architecture, class) -> the entries.
+# Triton 3.6 (the Triton of torch 2.11) and 3.9 build the same tiles with different ptxas
+# runs, and each spills in entries the other builds clean: below Triton 3.9 these classes
+# take the entries compile-check builds without spills under 3.6, the tables above holding
+# 3.9's. (table name, architecture, class) -> the entries.
 BEFORE_TRITON_3_9 = {
     ("FWD_CONFIGS", "sm_90", (256, "light")): [_cfg(128, 32, 8, 1)],
     ("FWD_CONFIGS", "sm_90", (256, "heavy")): [_cfg(64, 16, 8, 1)],
     ("FWD_CONFIGS", "sm_80", (128, "heavy")): [_cfg(32, 32, 4, 2)],
     ("FWD_CONFIGS", "sm_80", (256, "heavy")): [_cfg(16, 32, 4, 1)],
+    ("FWD_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2)],
     ("FWD_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(128, 16, 8, 1)],
-    ("FWD_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 32, 8, 1), _cfg(16, 16, 8, 1)],
+    ("FWD_CONFIGS_FP32", "sm_90", (256, "heavy")): [_cfg(16, 16, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("FWD_CONFIGS_FP32", "sm_80", (256, "light")): [_cfg(16, 16, 8, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (64, "heavy")): [_cfg(32, 64, 4, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (64, "dropout")): [_cfg(64, 128, 8, 2)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "light")): [_cfg(32, 128, 8, 2), _cfg(16, 64, 4, 1)],
     ("BWD_DKDV_CONFIGS", "sm_90", (128, "heavy")): [_cfg(16, 64, 8, 2)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (128, "bool")): [_cfg(16, 128, 8, 2)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (256, "heavy")): [_cfg(16, 64, 8, 2)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 16, 4, 1), _cfg(16, 32, 8, 1)],
     ("BWD_DKDV_CONFIGS_FP32", "sm_90", (128, "heavy")): [_cfg(16, 16, 8, 1)],
     ("BWD_DKDV_CONFIGS", "sm_80", (64, "heavy")): [_cfg(16, 32, 4, 1)],
@@ -209,13 +213,13 @@ BEFORE_TRITON_3_9 = {
     ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 2), _cfg(64, 32, 4, 1)],
     ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(128, 32, 8, 1), _cfg(128, 32, 8, 2)],
     ("BWD_DQ_CONFIGS_FP32", "sm_90", (64, "heavy")): [_cfg(16, 32, 4, 1)],
-    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 4, 1)],
     ("BWD_DQ_CONFIGS_FP32", "sm_80", (128, "light")): [_cfg(16, 32, 4, 1)],
 }
 # sm_90's light 16-bit entries are chosen for their TMA builds. Where a layout rules TMA out
 # (attention._tma_layout), the same tiles load by pointers, which takes more registers: these
 # classes' TMA tiles spill there, so that route takes these entries. stage -> class -> entries.
 BY_POINTERS = {
+    "fwd": {(256, "light"): [_cfg(128, 32, 8, 1)]},
     "dkdv": {(128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)]},
     "dq": {(128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)]},
 }

@@ -1038,7 +1038,11 @@ def _attention_bwd_dkdv_inner(
     # would divide on every tile).
     g = 0
     i = 0
-    for t in range(0, GROUP * num_tiles):
+    # Without a dense mask at head dim 128 (two accumulators of 128 lanes), the loops over
+    # tiles masked per element, a few per key tile, run unpipelined: pipelined, they made the
+    # light entries spill under Triton 3.9; elsewhere unpipelined ones spilled (compile-check).
+    UNPIPELINED: tl.constexpr = ELEMENT_MASKED and BLOCK_D == 128 and MASK_KIND == 0
+    for t in tl.range(0, GROUP * num_tiles, num_stages=1 if UNPIPELINED else None):
         start_m = lo + i * BLOCK_M
         off_h = head0 + g
         _, dense = _tile_flags(Codes_col + off_h * stride_map_h + start_m // BLOCK_M * row_stride, MASK_KIND)

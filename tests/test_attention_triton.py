@@ -677,8 +677,10 @@ def test_gpu_configurations_cover_every_class():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
     for cls, cfgs in K.BWD_DQ_CONFIGS["sm_90"].items():  # but d256 heavy, whose 64-row tiles spill
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs) or cls == (256, "heavy")
-    for cfgs in K.BWD_DKDV_CONFIGS["sm_90"].values():
-        assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs)
+    from fasttrans.kernels._attention_configs import TRITON_VERSION
+
+    for cls, cfgs in K.BWD_DKDV_CONFIGS["sm_90"].items():  # likewise, but d256 heavy under Triton 3.9
+        assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs) or (cls == (256, "heavy") and TRITON_VERSION >= (3, 9))
     # the fp32 tables are their own (3xTF32 needs about twice the registers of a 16-bit tile)
     assert K.FWD_CONFIGS_FP32 is not K.FWD_CONFIGS and K.BWD_DQ_CONFIGS_FP32 is not K.BWD_DQ_CONFIGS
     assert K.BWD_DKDV_CONFIGS_FP32 is not K.BWD_DKDV_CONFIGS
