@@ -661,7 +661,10 @@ def test_host_integer_helpers_match_triton():
 def test_gpu_configurations_cover_every_class():
     """Every (precision, architecture, head-dim class, weight) has a handful of configurations;
     16-bit ones on sm_90 use wgmma, which needs the matmul M dimension (query tile; key tile in
-    the transposed dK/dV) >= 64. fp32 tiles may be smaller (mma.sync, checked by compile-check)."""
+    the transposed dK/dV) >= 64, but for the d256 heavy backward, whose tiles that size spill (dQ;
+    dK/dV under Triton 3.9). fp32 tiles may be smaller (mma.sync, checked by compile-check)."""
+    from fasttrans.kernels._attention_configs import TRITON_VERSION
+
     tables = (K.FWD_CONFIGS, K.BWD_DKDV_CONFIGS, K.BWD_DQ_CONFIGS,
               K.FWD_CONFIGS_FP32, K.BWD_DKDV_CONFIGS_FP32, K.BWD_DQ_CONFIGS_FP32)
     for table in tables:
@@ -677,8 +680,6 @@ def test_gpu_configurations_cover_every_class():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
     for cls, cfgs in K.BWD_DQ_CONFIGS["sm_90"].items():  # but d256 heavy, whose 64-row tiles spill
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs) or cls == (256, "heavy")
-    from fasttrans.kernels._attention_configs import TRITON_VERSION
-
     for cls, cfgs in K.BWD_DKDV_CONFIGS["sm_90"].items():  # likewise, but d256 heavy under Triton 3.9
         assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs) or (cls == (256, "heavy") and TRITON_VERSION >= (3, 9))
     # the fp32 tables are their own (3xTF32 needs about twice the registers of a 16-bit tile)

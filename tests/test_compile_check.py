@@ -9,6 +9,10 @@ that misses the tensor cores, a module without compile_targets, a module that do
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -81,15 +85,9 @@ def test_rejects_an_unknown_arch():
     assert e.value.code == 2
 
 
-
 def test_counts_are_those_of_the_binary_triton_built(tmp_path):
     """Registers and stack frame come from the binary Triton's own ptxas run built, with the
     options that run adds: they match the log that run prints (a fresh cache compiles)."""
-    import os
-    import re
-    import subprocess
-    import sys
-
     # a tile far too large for the registers: a nonzero stack frame to compare too
     code = ("import json; from fasttrans import compile_check as c; from fasttrans.kernels import attention as a; "
             "from fasttrans.kernels._attention_configs import _cfg; "
