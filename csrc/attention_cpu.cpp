@@ -307,13 +307,18 @@ int64_t padded_ld(int64_t L, int64_t elem_size) {
 }
 
 // (B, H, L, D) -> a (B, H, D, L) copy in the accumulation dtype, unit inner stride, rows
-// padded_ld apart: read its leading dimension from stride(2).
+// padded_ld apart: read its leading dimension from stride(2). Each row has at least one cache
+// line of zeros past L, so that the backward's GEMMs can read a last query tile rounded up to
+// whole vectors (bwd_tile).
 at::Tensor transposed_copy(const at::Tensor& t_in, at::ScalarType acc) {
   const at::Tensor t = rows_in_place(t_in);
   const int64_t L = t.size(2);
-  const int64_t ld = padded_ld(L, c10::elementSize(acc));
-  at::Tensor out = cpu::empty({t.size(0), t.size(1), t.size(3), ld}, t.options().dtype(acc)).narrow(3, 0, L);
+  const int64_t line = 64 / static_cast<int64_t>(c10::elementSize(acc));
+  const int64_t ld = padded_ld(L + line, c10::elementSize(acc));
+  at::Tensor full = cpu::empty({t.size(0), t.size(1), t.size(3), ld}, t.options().dtype(acc));
+  at::Tensor out = full.narrow(3, 0, L);
   if (out.numel() == 0) return out;
+  full.narrow(3, L, ld - L).zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "attention_transpose", [&] {
     if (acc == at::kDouble) {
       transpose_last2<scalar_t, double>(t, out);
@@ -507,6 +512,24 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 // --------------------------------------------------------------------------------------
 // Backward
 // --------------------------------------------------------------------------------------
+// A score as gemm_nn forms it, so that S - m is the same in exact_large_lse and bwd_tile: one product
+// after the other in the order of d (separate multiplies and adds in the float64 loop nest;
+// a chain of FMAs matched the float32 brgemm in a probe with logits of a few hundred, where
+// the vectorised dot() gave dv errors of 4e-4 against float64, ten times the float32
+// reference's, and this chain 3.6e-5).
+template <typename T>
+inline T gemm_dot(const T* x, const T* y, int64_t n) {
+  T acc = T(0);
+  for (int64_t d = 0; d < n; ++d) {
+    if constexpr (std::is_same_v<T, float>) {
+      acc = std::fma(x[d], y[d], acc);
+    } else {
+      acc += x[d] * y[d];
+    }
+  }
+  return acc;
+}
+
 template <typename T>
 struct BwdOperands {
   Rows<const T> q, dout, k, v;      // natural layout rows (B, H|Hkv, L, D)
@@ -532,7 +555,12 @@ struct BwdScratch {
   }
 };
 
-// One (query tile, key tile) step of the backward; tiles are stored key-major (ld = BM).
+// One (query tile, key tile) step of the backward; tiles are stored key-major (ld = BM, a
+// whole number of vectors). A tile's bm rows are computed as n, bm rounded up to whole vectors:
+// the rows past bm read the zeros past Lq in the transposed copies and zero lse and delta, so
+// they stay finite, and no product into an output reads them. Every pass over the tile then
+// runs on whole vectors: with masked ones, each pass reloads what the last one stored with
+// masked stores, which the CPU cannot forward (a 9-row tile took as long as a 16-row one).
 template <typename T>
 void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t BM, int64_t b, int64_t h,
               int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
@@ -541,49 +569,55 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   T* st = s.st.data();
   T* dpt = s.dpt.data();
   constexpr int64_t W = Vec<T>::size();
+  const int64_t n = std::min((bm + W - 1) / W * W, BM);
+  // lse, delta etc. of rows [r, r + W): 0 past bm
+  auto rows_at = [&](const T* v, int64_t r) { return Vec<T>::loadu(v + r, std::min(W, bm - r)); };
 
-  // S^T = K_j Q_i^T, then scale (+ mask), hidden entries -inf
-  gemm_nn(bn, bm, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
-  for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
+  // S^T = K_j Q_i^T; P^T = exp(scale S^T (+ mask) - lse), or exp((scale S^T (+ mask) - m) - log l)
+  // when some row of the call needed exact_large_lse (a second instantiation, so that the
+  // usual loop has no extra load); lse = +inf on empty rows gives 0. Without a mask the scale
+  // is applied in the exp pass: each pass over the tile reloads what the last one stored, and
+  // a tile of a few query rows is all masked loads and stores, which the CPU cannot forward
+  // from one to the next.
+  gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
   if (p.mask) {
+    for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
     for (int64_t r = 0; r < bm; ++r) {
       load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
       apply_mask_row(p.mask, s.row.data(), st + r, bn, BM);
     }
   }
-  if (p.crosses_diagonal(i0, j0 + bn - 1)) {
-    for (int64_t c = 0; c < bn; ++c) {  // key j0 + c is hidden from rows i < j0 + c - offset
-      const int64_t rows_hidden = std::clamp<int64_t>(j0 + c - p.causal_offset - i0, 0, bm);
-      std::fill(st + c * BM, st + c * BM + rows_hidden, neg_inf<T>());
-    }
-  }
-
-  // P^T = exp(S^T - lse)   (lse = +inf on empty rows gives 0), or exp((S^T - m) - log l)
-  // when some row of the call needed exact_large_lse (a second instantiation, so that the
-  // usual loop has no extra load)
   const T* lse = x.lse + bh * Lq + i0;
-  auto exp_tile = [&](auto with_lo) {
-    constexpr bool kLo = decltype(with_lo)::value;
+  auto exp_tile = [&](auto with_lo, auto with_scale) {
+    constexpr bool kLo = decltype(with_lo)::value, kScale = decltype(with_scale)::value;
     const T* lo = kLo ? x.lse_lo + bh * Lq + i0 : nullptr;
+    const Vec<T> scale(static_cast<T>(p.scale));
     for (int64_t c = 0; c < bn; ++c) {
       T* row = st + c * BM;
-      int64_t r = 0;
-      for (; r + W <= bm; r += W) {
-        Vec<T> e = Vec<T>::loadu(row + r) - Vec<T>::loadu(lse + r);
-        if constexpr (kLo) e = e - Vec<T>::loadu(lo + r);
+      for (int64_t r = 0; r < n; r += W) {
+        Vec<T> e = Vec<T>::loadu(row + r);
+        if constexpr (kScale) e = e * scale;
+        e = e - rows_at(lse, r);
+        if constexpr (kLo) e = e - rows_at(lo, r);
         vexp(e).store(row + r);
-      }
-      if (r < bm) {
-        Vec<T> e = Vec<T>::loadu(row + r, bm - r) - Vec<T>::loadu(lse + r, bm - r);
-        if constexpr (kLo) e = e - Vec<T>::loadu(lo + r, bm - r);
-        vexp(e).store(row + r, bm - r);
       }
     }
   };
-  if (x.lse_lo) {
-    exp_tile(std::true_type{});
+  const bool fold_scale = !p.mask;
+  if (x.lse_lo && fold_scale) {
+    exp_tile(std::true_type{}, std::true_type{});
+  } else if (x.lse_lo) {
+    exp_tile(std::true_type{}, std::false_type{});
+  } else if (fold_scale) {
+    exp_tile(std::false_type{}, std::true_type{});
   } else {
-    exp_tile(std::false_type{});
+    exp_tile(std::false_type{}, std::false_type{});
+  }
+  if (p.crosses_diagonal(i0, j0 + bn - 1)) {
+    for (int64_t c = 0; c < bn; ++c) {  // key j0 + c is hidden from rows i < j0 + c - offset
+      const int64_t rows_hidden = std::clamp<int64_t>(j0 + c - p.causal_offset - i0, 0, bm);
+      std::fill(st + c * BM, st + c * BM + rows_hidden, T(0));
+    }
   }
   if (std::any_of(lse, lse + bm, [](T v) { return std::isnan(v); })) {  // the rows NaN in forward
     for (int64_t c = 0; c < bn; ++c) {
@@ -611,30 +645,43 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (want_dkdv) gemm_nn(bn, D, bm, pd, BM, dout_i, x.dout.si, s.dv.data(), D, true);  // dV += Pd^T dO
 
   // dP^T = V_j dO_i^T;  dS^T = P^T * (dP^T * keep / (1 - p) - delta)
-  gemm_nn(bn, bm, D, x.v(b, hk, j0), x.v.si, x.dout_t + bh * D * x.ld_t + i0, x.ld_t, dpt, BM, false);
+  gemm_nn(bn, n, D, x.v(b, hk, j0), x.v.si, x.dout_t + bh * D * x.ld_t + i0, x.ld_t, dpt, BM, false);
+  // both remaining products carry the score scale: it goes into dS in the same pass, unless
+  // dS itself is wanted (the gradient of an additive mask)
   const T* delta = x.delta + bh * Lq + i0;
-  for (int64_t c = 0; c < bn; ++c) {
-    T* dp = dpt + c * BM;
-    const T* pr = st + c * BM;
-    if (p.dropout.enabled) {
-      const T* kr = s.keep.data() + c * BM;
-      for (int64_t r = 0; r < bm; ++r) dp[r] = pr[r] * (dp[r] * kr[r] - delta[r]);
-    } else {
-      int64_t r = 0;
-      for (; r + W <= bm; r += W) {
-        (Vec<T>::loadu(pr + r) * (Vec<T>::loadu(dp + r) - Vec<T>::loadu(delta + r))).store(dp + r);
+  const bool want_dmask = x.dmask && want_dkdv;
+  auto ds_tile = [&](auto with_scale) {
+    constexpr bool kScale = decltype(with_scale)::value;
+    const T scale = static_cast<T>(p.scale);
+    const Vec<T> vscale(scale);
+    for (int64_t c = 0; c < bn; ++c) {
+      T* dp = dpt + c * BM;
+      const T* pr = st + c * BM;
+      if (p.dropout.enabled) {
+        const T* kr = s.keep.data() + c * BM;
+        for (int64_t r = 0; r < bm; ++r) {
+          dp[r] = pr[r] * (dp[r] * kr[r] - delta[r]);
+          if constexpr (kScale) dp[r] = dp[r] * scale;
+        }
+        continue;
       }
-      for (; r < bm; ++r) dp[r] = pr[r] * (dp[r] - delta[r]);
+      for (int64_t r = 0; r < n; r += W) {
+        Vec<T> d = Vec<T>::loadu(pr + r) * (Vec<T>::loadu(dp + r) - rows_at(delta, r));
+        if constexpr (kScale) d = d * vscale;
+        d.store(dp + r);
+      }
     }
-  }
-  if (x.dmask && want_dkdv) {  // the gradient of an additive mask is dS itself
+  };
+  if (want_dmask) {
+    ds_tile(std::false_type{});
     T* dm = x.dmask + (bh * Lq + i0) * Lk + j0;
     for (int64_t c = 0; c < bn; ++c) {
       for (int64_t r = 0; r < bm; ++r) dm[r * Lk + c] = dpt[c * BM + r];
     }
+    for (int64_t c = 0; c < bn; ++c) scale_row(dpt + c * BM, bm, T(p.scale));
+  } else {
+    ds_tile(std::true_type{});
   }
-  // both remaining products carry the score scale: fold it into dS once
-  for (int64_t c = 0; c < bn; ++c) scale_row(dpt + c * BM, bm, T(p.scale));
 
   if (want_dkdv) gemm_nn(bn, D, bm, dpt, BM, x.q(b, h, i0), x.q.si, s.dk.data(), D, true);  // dK += dS^T Q
   if (want_dq) {
@@ -669,9 +716,11 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
   const int64_t D = p.D;
   const Tiles tiles = attention_tiles(D, sizeof(T));
   const int64_t BM = tile_for(p.Lq, tiles.bwd_m), BN = tile_for(p.Lk, tiles.bwd_n);
+  constexpr int64_t W = Vec<T>::size();
+  const int64_t ld_m = (BM + W - 1) / W * W;  // bwd_tile's ld: whole vectors of rows
   const int64_t n_kb = (p.Lk + BN - 1) / BN;
   const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
-  auto make_scratch = [&] { return BwdScratch<T>(BM, BN, D, p.dropout.enabled); };
+  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled); };
 
   // dK, dV of key tile [j0, j0 + BN) of kv head hk (all its query heads), plus dQ if asked.
   auto key_tile = [&](BwdScratch<T>& s, int64_t b, int64_t hk, int64_t kb, bool want_dq) {
@@ -682,7 +731,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
     if (visible > 0) {
       for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
         for (int64_t i0 = p.q_begin(j0); i0 < p.Lq; i0 += BM) {
-          bwd_tile(p, x, s, BM, b, h, i0, std::min(BM, p.Lq - i0), j0, visible, true, want_dq);
+          bwd_tile(p, x, s, ld_m, b, h, i0, std::min(BM, p.Lq - i0), j0, visible, true, want_dq);
         }
       }
     }
@@ -706,7 +755,9 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
     const int64_t bh = item / n_qb, b = bh / p.H, h = bh % p.H;
     const int64_t i0 = (item % n_qb) * BM, bm = std::min(BM, p.Lq - i0);
     const int64_t kv_end = p.kv_end(b, i0, bm);
-    for (int64_t j0 = 0; j0 < kv_end; j0 += BN) bwd_tile(p, x, s, BM, b, h, i0, bm, j0, std::min(BN, kv_end - j0), false, true);
+    for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
+      bwd_tile(p, x, s, ld_m, b, h, i0, bm, j0, std::min(BN, kv_end - j0), false, true);
+    }
   });
 }
 
@@ -720,24 +771,6 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
 // log l (0 elsewhere) and overwrites lse[row] with m, or returns an undefined tensor when
 // no row qualifies (the common case: scores of order one, a scan of lse).
 constexpr double kExactLse = 256.0;
-
-// A score as gemm_nn forms it, so that S - m is the same here and in bwd_tile: one product
-// after the other in the order of d (separate multiplies and adds in the float64 loop nest;
-// a chain of FMAs matched the float32 brgemm in a probe with logits of a few hundred, where
-// the vectorised dot() gave dv errors of 4e-4 against float64, ten times the float32
-// reference's, and this chain 3.6e-5).
-template <typename T>
-inline T gemm_dot(const T* x, const T* y, int64_t n) {
-  T acc = T(0);
-  for (int64_t d = 0; d < n; ++d) {
-    if constexpr (std::is_same_v<T, float>) {
-      acc = std::fma(x[d], y[d], acc);
-    } else {
-      acc += x[d] * y[d];
-    }
-  }
-  return acc;
-}
 
 template <typename T>
 at::Tensor exact_large_lse(const AttnParams& p, const Rows<const T>& q, const Rows<const T>& k, at::Tensor& lse) {
