@@ -693,6 +693,115 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   }
 }
 
+// y[0, n) += sum over r < m of a[r * lda] x_r[0, n), x_r = x + r * ldx: y loaded and stored
+// once per vector, the m products accumulated in registers between.
+template <typename T>
+inline void axpy_rows(const T* a, int64_t lda, const T* x, int64_t ldx, int64_t m, T* y, int64_t n) {
+  constexpr int64_t W = Vec<T>::size();
+  for (int64_t k = 0; k < n; k += W) {
+    const int64_t w = std::min(W, n - k);
+    Vec<T> acc = Vec<T>::loadu(y + k, w);
+    for (int64_t r = 0; r < m; ++r) acc = at::vec::fmadd(Vec<T>(a[r * lda]), Vec<T>::loadu(x + r * ldx + k, w), acc);
+    acc.store(y + k, w);
+  }
+}
+
+// bwd_tile for a tile of at most kBwdRowsMax query rows (a single query, or the last row of a
+// longer sequence), stored query-major (ld = bn) so that its vectors run along the keys:
+// bwd_tile would run a whole vector of rows for it. Scores and dP are dot products with the
+// rows of K and V, and the products into dV, dK and dQ are sums of rows (axpy_rows), so
+// nothing is transposed.
+constexpr int64_t kBwdRowsMax = 2;
+
+template <typename T>
+void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t b, int64_t h, int64_t i0,
+              int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+  const int64_t D = p.D, Lq = p.Lq, Lk = p.Lk, hk = h / p.group;
+  const int64_t bh = b * p.H + h;
+  constexpr int64_t W = Vec<T>::size();
+  const T scale = static_cast<T>(p.scale);
+  const Vec<T> vscale(scale);
+  const T* lse = x.lse + bh * Lq + i0;
+  const T* lo = x.lse_lo ? x.lse_lo + bh * Lq + i0 : nullptr;
+  const T* delta = x.delta + bh * Lq + i0;
+  T* P = s.st.data();    // bm x bn
+  T* dS = s.dpt.data();  // bm x bn
+  T* Pd = p.dropout.enabled ? s.pdt.data() : P;
+  for (int64_t r = 0; r < bm; ++r) {
+    // P = exp(scale S (+ mask) - lse) over the keys this row sees, 0 past them; NaN on rows NaN in forward
+    T* pr = P + r * bn;
+    if (lo) {  // S as exact_large_lse formed it
+      for (int64_t c = 0; c < bn; ++c) pr[c] = gemm_dot(x.q(b, h, i0 + r), x.k(b, hk, j0 + c), D);
+    } else {
+      dots(x.q(b, h, i0 + r), x.k(b, hk, j0), x.k.si, bn, D, pr);
+    }
+    if (p.mask) {
+      scale_row(pr, bn, scale);
+      load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
+      apply_mask_row(p.mask, s.row.data(), pr, bn, 1);
+    }
+    const int64_t seen = p.causal ? std::clamp<int64_t>(i0 + r + p.causal_offset - j0 + 1, 0, bn) : bn;
+    const Vec<T> l(lse[r]), l_lo(lo ? lo[r] : T(0));
+    for (int64_t c = 0; c < seen; c += W) {
+      const int64_t w = std::min(W, seen - c);
+      Vec<T> e = Vec<T>::loadu(pr + c, w);
+      if (!p.mask) e = e * vscale;
+      e = e - l;
+      if (lo) e = e - l_lo;
+      vexp(e).store(pr + c, w);
+    }
+    std::fill(pr + seen, pr + bn, T(0));
+    if (std::isnan(lse[r])) std::fill(pr, pr + bn, lse[r]);
+
+    // dropout: Pd = P * keep / (1 - p)
+    T* kr = s.keep.data() + r * bn;
+    if (p.dropout.enabled) {
+      dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, kr);
+      for (int64_t c = 0; c < bn; ++c) {
+        kr[c] *= static_cast<T>(p.dropout.inv_keep);
+        Pd[r * bn + c] = pr[c] * kr[c];
+      }
+    }
+
+    // dP = dO V_j^T;  dS = P * (dP * keep / (1 - p) - delta), then scaled for the products below
+    T* dr = dS + r * bn;
+    dots(x.dout(b, h, i0 + r), x.v(b, hk, j0), x.v.si, bn, D, dr);
+    if (p.dropout.enabled) {
+      for (int64_t c = 0; c < bn; ++c) dr[c] = pr[c] * (dr[c] * kr[c] - delta[r]);
+    } else {
+      const Vec<T> d(delta[r]);
+      for (int64_t c = 0; c < bn; c += W) {
+        const int64_t w = std::min(W, bn - c);
+        (Vec<T>::loadu(pr + c, w) * (Vec<T>::loadu(dr + c, w) - d)).store(dr + c, w);
+      }
+    }
+    if (x.dmask && want_dkdv) std::copy(dr, dr + bn, x.dmask + (bh * Lq + i0 + r) * Lk + j0);
+    scale_row(dr, bn, scale);
+  }
+  if (want_dkdv) {
+    for (int64_t c = 0; c < bn; ++c) {
+      axpy_rows(Pd + c, bn, x.dout(b, h, i0), x.dout.si, bm, s.dv.data() + c * D, D);  // dV += Pd^T dO
+      axpy_rows(dS + c, bn, x.q(b, h, i0), x.q.si, bm, s.dk.data() + c * D, D);        // dK += dS^T Q
+    }
+  }
+  if (want_dq) {
+    for (int64_t r = 0; r < bm; ++r) {  // dQ += dS K_j
+      axpy_rows(dS + r * bn, 1, x.k(b, hk, j0), x.k.si, bn, x.dq + (bh * Lq + i0 + r) * D, D);
+    }
+  }
+}
+
+// One (query tile, key tile) step of the backward, in the layout that suits the tile.
+template <typename T>
+void bwd_step(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t ld_m, int64_t b, int64_t h,
+              int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+  if (bm <= kBwdRowsMax) {
+    bwd_rows(p, x, s, b, h, i0, bm, j0, bn, want_dkdv, want_dq);
+  } else {
+    bwd_tile(p, x, s, ld_m, b, h, i0, bm, j0, bn, want_dkdv, want_dq);
+  }
+}
+
 enum class BwdSchedule { kFused, kSplit };
 
 BwdSchedule choose_schedule(int64_t n_fused_items) {
@@ -731,7 +840,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
     if (visible > 0) {
       for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
         for (int64_t i0 = p.q_begin(j0); i0 < p.Lq; i0 += BM) {
-          bwd_tile(p, x, s, ld_m, b, h, i0, std::min(BM, p.Lq - i0), j0, visible, true, want_dq);
+          bwd_step(p, x, s, ld_m, b, h, i0, std::min(BM, p.Lq - i0), j0, visible, true, want_dq);
         }
       }
     }
@@ -756,7 +865,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
     const int64_t i0 = (item % n_qb) * BM, bm = std::min(BM, p.Lq - i0);
     const int64_t kv_end = p.kv_end(b, i0, bm);
     for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
-      bwd_tile(p, x, s, ld_m, b, h, i0, bm, j0, std::min(BN, kv_end - j0), false, true);
+      bwd_step(p, x, s, ld_m, b, h, i0, bm, j0, std::min(BN, kv_end - j0), false, true);
     }
   });
 }

@@ -320,10 +320,11 @@ def test_rows_of_huge_scores_get_exact_gradients(ext, schedule, kind, fill, D):
     _check_huge_scores(kind, fill, D, "cpu")
 
 
-# The CPU backward computes a tile's query rows rounded up to whole vectors (csrc/attention_cpu.cpp,
-# bwd_tile): 2 and 9 rows run as 16, the rows past them on zeros.
+# The CPU backward takes tiles of one or two query rows query-major (csrc/attention_cpu.cpp,
+# bwd_rows) and computes the others' rows rounded up to whole vectors (bwd_tile): 9 rows run as
+# 16, the rows past them on zeros.
 @pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
-@pytest.mark.parametrize("Lq, fill", [(2, -1e9), (9, -1e9), (9, "logits")], ids=str)
+@pytest.mark.parametrize("Lq, fill", [(1, -1e9), (2, -1e9), (9, -1e9), (9, "logits")], ids=str)
 def test_short_query_tiles_get_exact_gradients_on_huge_rows(ext, schedule, Lq, fill):
     _check_huge_scores("key_lengths+causal_bottom_right", fill, 16, "cpu", Lq=Lq)
 
@@ -469,7 +470,7 @@ def test_dropout_keep_fraction_and_independence(ext):
 
 @pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("Lq", [70, 9, 2])  # rows rounded up to whole vectors (see above)
+@pytest.mark.parametrize("Lq", [70, 9, 2, 1])  # the CPU backward's tile forms (see above)
 def test_dropout_matches_reference_with_the_hook_mask(ext, device, schedule, Lq):
     require_extension(device, "attention")
     B, H, Hkv, Lk, D, p = 2, 4, 2, 90, 32, 0.25
