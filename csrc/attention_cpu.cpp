@@ -512,8 +512,9 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 // --------------------------------------------------------------------------------------
 // Backward
 // --------------------------------------------------------------------------------------
-// A score as gemm_nn forms it, so that S - m is the same in exact_large_lse and bwd_tile: one product
-// after the other in the order of d (separate multiplies and adds in the float64 loop nest;
+// A score as gemm_nn forms it, so that S - m is the same in exact_large_lse and the backward's
+// tiles (bwd_tile's GEMM; bwd_rows calls this on such rows): one product after the other in the
+// order of d (separate multiplies and adds in the float64 loop nest;
 // a chain of FMAs matched the float32 brgemm in a probe with logits of a few hundred, where
 // the vectorised dot() gave dv errors of 4e-4 against float64, ten times the float32
 // reference's, and this chain 3.6e-5).
@@ -559,8 +560,8 @@ struct BwdScratch {
 // whole number of vectors). A tile's bm rows are computed as n, bm rounded up to whole vectors:
 // the rows past bm read the zeros past Lq in the transposed copies and zero lse and delta, so
 // they stay finite, and no product into an output reads them. Every pass over the tile then
-// runs on whole vectors: with masked ones, each pass reloads what the last one stored with
-// masked stores, which the CPU cannot forward (a 9-row tile took as long as a 16-row one).
+// runs on whole vectors: with masked ones, each pass would reload what the last one stored with
+// masked stores, which the CPU cannot forward from one to the next.
 template <typename T>
 void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t BM, int64_t b, int64_t h,
               int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
@@ -576,9 +577,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   // S^T = K_j Q_i^T; P^T = exp(scale S^T (+ mask) - lse), or exp((scale S^T (+ mask) - m) - log l)
   // when some row of the call needed exact_large_lse (a second instantiation, so that the
   // usual loop has no extra load); lse = +inf on empty rows gives 0. Without a mask the scale
-  // is applied in the exp pass: each pass over the tile reloads what the last one stored, and
-  // a tile of a few query rows is all masked loads and stores, which the CPU cannot forward
-  // from one to the next.
+  // is applied in the exp pass: one pass over the tile fewer.
   gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
   if (p.mask) {
     for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
@@ -706,9 +705,9 @@ inline void axpy_rows(const T* a, int64_t lda, const T* x, int64_t ldx, int64_t 
   }
 }
 
-// bwd_tile for a tile of at most kBwdRowsMax query rows (a single query, or the last row of a
+// bwd_tile for a tile of at most kBwdRowsMax query rows (a single query, or the last rows of a
 // longer sequence), stored query-major (ld = bn) so that its vectors run along the keys:
-// bwd_tile would run a whole vector of rows for it. Scores and dP are dot products with the
+// bwd_tile would compute a whole vector of rows for it. Scores and dP are dot products with the
 // rows of K and V, and the products into dV, dK and dQ are sums of rows (axpy_rows), so
 // nothing is transposed.
 constexpr int64_t kBwdRowsMax = 2;
