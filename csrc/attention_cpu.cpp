@@ -266,7 +266,8 @@ void transpose_tile(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, int64_
 // (B, H, C, R) dst with unit inner stride, contiguous over (B, H) (see transposed_copy),
 // converting the dtype on the way (rows are converted first, then transposed in the dst
 // dtype). In parallel over (b, h, block of kTile rows); each kTile x kTile tile is one
-// in-register transpose (transpose_tile).
+// in-register transpose (transpose_tile). The padding of each dst row, from R to its stride,
+// is zeroed.
 template <typename S, typename T>
 void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
   constexpr int64_t kTile = 16;
@@ -293,6 +294,9 @@ void transpose_last2(const at::Tensor& src, at::Tensor& dst) {
         ld_rows = C;
       }
       transpose_tile(rows, ld_rows, d + bh * dh + r0, ld, rn, C);
+      if (r0 + rn == R) {
+        for (int64_t c = 0; c < C; ++c) std::fill(d + bh * dh + c * ld + R, d + bh * dh + (c + 1) * ld, T(0));
+      }
     }
   });
 }
@@ -315,10 +319,8 @@ at::Tensor transposed_copy(const at::Tensor& t_in, at::ScalarType acc) {
   const int64_t L = t.size(2);
   const int64_t line = 64 / static_cast<int64_t>(c10::elementSize(acc));
   const int64_t ld = padded_ld(L + line, c10::elementSize(acc));
-  at::Tensor full = cpu::empty({t.size(0), t.size(1), t.size(3), ld}, t.options().dtype(acc));
-  at::Tensor out = full.narrow(3, 0, L);
+  at::Tensor out = cpu::empty({t.size(0), t.size(1), t.size(3), ld}, t.options().dtype(acc)).narrow(3, 0, L);
   if (out.numel() == 0) return out;
-  full.narrow(3, L, ld - L).zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "attention_transpose", [&] {
     if (acc == at::kDouble) {
       transpose_last2<scalar_t, double>(t, out);
