@@ -516,10 +516,9 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 // --------------------------------------------------------------------------------------
 // A score as gemm_nn forms it, so that S - m is the same in exact_large_lse and the backward's
 // tiles (bwd_tile's GEMM; bwd_rows calls this on such rows): one product after the other in the
-// order of d (separate multiplies and adds in the float64 loop nest;
-// a chain of FMAs matched the float32 brgemm in a probe with logits of a few hundred, where
-// the vectorised dot() gave dv errors of 4e-4 against float64, ten times the float32
-// reference's, and this chain 3.6e-5).
+// order of d, a chain of FMAs in float32 as the brgemm sums (separate multiplies and adds in the
+// float64 loop nest). The vectorised dot() sums in another order, and near scores of a few
+// hundred its rounding would no longer cancel in S - m.
 template <typename T>
 inline T gemm_dot(const T* x, const T* y, int64_t n) {
   T acc = T(0);
