@@ -514,6 +514,17 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 // --------------------------------------------------------------------------------------
 // Backward
 // --------------------------------------------------------------------------------------
+// acc + x * y as gemm_nn's products are summed: one rounding in float32 (an FMA), two in
+// float64.
+template <typename T>
+inline T gemm_step(T x, T y, T acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::fma(x, y, acc);
+  } else {
+    return acc + x * y;
+  }
+}
+
 // A score as gemm_nn forms it, so that S - m is the same in exact_large_lse and the backward's
 // tiles (bwd_tile's GEMM; bwd_rows calls this on such rows): one product after the other in the
 // order of d, a chain of FMAs in float32 as the brgemm sums (separate multiplies and adds in the
@@ -522,27 +533,21 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
 template <typename T>
 inline T gemm_dot(const T* x, const T* y, int64_t n) {
   T acc = T(0);
-  for (int64_t d = 0; d < n; ++d) {
-    if constexpr (std::is_same_v<T, float>) {
-      acc = std::fma(x[d], y[d], acc);
-    } else {
-      acc += x[d] * y[d];
-    }
-  }
+  for (int64_t d = 0; d < n; ++d) acc = gemm_step(x[d], y[d], acc);
   return acc;
 }
 
 template <typename T>
 struct BwdOperands {
-  Rows<const T> q, dout, k, v;      // natural layout rows (B, H|Hkv, L, D)
-  const T* qt;                      // (B, H, D, Lq), rows ld_t apart
-  const T* dout_t;                  // (B, H, D, Lq), rows ld_t apart
+  Rows<const T> q, dout, out, k, v;  // natural layout rows (B, H|Hkv, L, D)
+  const T* qt;                       // (B, H, D, Lq), rows ld_t apart
+  const T* dout_t;                   // (B, H, D, Lq), rows ld_t apart
   int64_t ld_t;
-  const T* lse;                     // (B, H, Lq): lse, or the row max m where lse_lo is log l
-  const T* lse_lo;                  // (B, H, Lq) or null: see exact_large_lse
-  const T* delta;                   // (B, H, Lq)
-  T* dq;                            // (B, H, Lq, D) accumulator, zeroed
-  T* dmask;                         // (B, H, Lq, Lk) or null
+  const T* lse;                      // (B, H, Lq): lse, or the row max m where lse_lo is log l
+  const T* lse_lo;                   // (B, H, Lq) or null: see exact_large_lse
+  const T* delta;                    // (B, H, Lq): see compute_delta; unused when Lq <= kBwdRowsMax
+  T* dq;                             // (B, H, Lq, D) accumulator, zeroed
+  T* dmask;                          // (B, H, Lq, Lk) or null
 };
 
 template <typename T>
@@ -723,7 +728,6 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   const Vec<T> vscale(scale);
   const T* lse = x.lse + bh * Lq + i0;
   const T* lo = x.lse_lo ? x.lse_lo + bh * Lq + i0 : nullptr;
-  const T* delta = x.delta + bh * Lq + i0;
   T* P = s.st.data();    // bm x bn
   T* dS = s.dpt.data();  // bm x bn
   T* Pd = p.dropout.enabled ? s.pdt.data() : P;
@@ -763,13 +767,16 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
       }
     }
 
-    // dP = dO V_j^T;  dS = P * (dP * keep / (1 - p) - delta), then scaled for the products below
+    // dP = dO V_j^T;  dS = P * (dP * keep / (1 - p) - delta), then scaled for the products below.
+    // delta = dO . O is summed here as dots() sums dP (see compute_delta).
     T* dr = dS + r * bn;
     dots(x.dout(b, h, i0 + r), x.v(b, hk, j0), x.v.si, bn, D, dr);
+    T delta;
+    dots(x.dout(b, h, i0 + r), x.out(b, h, i0 + r), 0, 1, D, &delta);
     if (p.dropout.enabled) {
-      for (int64_t c = 0; c < bn; ++c) dr[c] = pr[c] * (dr[c] * kr[c] - delta[r]);
+      for (int64_t c = 0; c < bn; ++c) dr[c] = pr[c] * (dr[c] * kr[c] - delta);
     } else {
-      const Vec<T> d(delta[r]);
+      const Vec<T> d(delta);
       for (int64_t c = 0; c < bn; c += W) {
         const int64_t w = std::min(W, bn - c);
         (Vec<T>::loadu(pr + c, w) * (Vec<T>::loadu(dr + c, w) - d)).store(dr + c, w);
@@ -915,16 +922,59 @@ at::Tensor exact_large_lse(const AttnParams& p, const Rows<const T>& q, const Ro
   return lo;
 }
 
-// delta[b, h, i] = rowsum(dO * O): the softmax-Jacobian term shared by a row's tiles.
+// gemm_step on each lane: the same bits, lane by lane.
 template <typename T>
-void compute_delta(const at::Tensor& dout, const at::Tensor& out, at::Tensor& delta) {
-  const Rows<const T> dout_rows(dout), out_rows(out);
-  const int64_t H = dout.size(1), L = dout.size(2), D = dout.size(3);
+inline Vec<T> gemm_step(const Vec<T>& x, const Vec<T>& y, const Vec<T>& acc) {
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    return at::vec::fmadd(x, y, acc);  // vfmadd: one rounding, as std::fma
+#else
+    __at_align__ T a[Vec<T>::size()], b[Vec<T>::size()], c[Vec<T>::size()];
+    x.store(a);
+    y.store(b);
+    acc.store(c);
+    for (int64_t l = 0; l < Vec<T>::size(); ++l) c[l] = std::fma(a[l], b[l], c[l]);
+    return Vec<T>::loadu(c);
+#endif
+  } else {
+    return acc + x * y;
+  }
+}
+
+// delta[b, h, i] = rowsum(dO * O): the softmax-Jacobian term shared by a row's tiles, summed
+// as gemm_dot sums, the order in which bwd_tile's GEMM forms dP = dO V^T. Where a row's
+// weights are one-hot in float32, O is that key's row of V, and dP - delta is then exactly
+// 0 there, as the reference's P (dP - sum(P dP)) is, rather than a rounding error of dP that
+// the products into dK multiply by Q, of any size. (bwd_rows, which forms dP by dots(), sums
+// its rows' delta its own way.) Sixteen rows at a time, one per lane: dO from its transposed
+// copy, O transposed sixteen columns at a time.
+template <typename T>
+void compute_delta(const at::Tensor& out, const T* dout_t, int64_t ld_t, at::Tensor& delta) {
+  constexpr int64_t kTile = 16, W = Vec<T>::size();
+  const Rows<const T> out_rows(out);
+  const int64_t H = out.size(1), L = out.size(2), D = out.size(3);
+  const int64_t n_rt = (L + kTile - 1) / kTile;
   T* data = delta.data_ptr<T>();
-  at::parallel_for(0, dout.size(0) * H * L, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (H * L), h = (row / L) % H, i = row % L;
-      data[row] = dot(dout_rows(b, h, i), out_rows(b, h, i), D);
+  at::parallel_for(0, out.size(0) * H * n_rt, 16, [&](int64_t begin, int64_t end) {
+    __at_align__ T ot[kTile * kTile] = {};  // (column, row) of a 16 x 16 block of O
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / n_rt, b = bh / H, h = bh % H;
+      const int64_t r0 = (item % n_rt) * kTile, rn = std::min(kTile, L - r0);
+      const T* xt = dout_t + bh * D * ld_t + r0;
+      Vec<T> acc[kTile / W];
+      for (auto& a : acc) a = Vec<T>(T(0));
+      for (int64_t c0 = 0; c0 < D; c0 += kTile) {
+        const int64_t cn = std::min(kTile, D - c0);
+        transpose_upto16<T>(out_rows(b, h, r0) + c0, out_rows.si, ot, kTile, static_cast<int>(rn),
+                            static_cast<int>(cn));
+        for (int64_t d = 0; d < cn; ++d) {
+          for (int64_t g = 0; g * W < rn; ++g) {
+            const Vec<T> x = Vec<T>::loadu(xt + (c0 + d) * ld_t + g * W, std::min(W, rn - g * W));
+            acc[g] = gemm_step(x, Vec<T>::loadu(ot + d * kTile + g * W), acc[g]);
+          }
+        }
+      }
+      for (int64_t g = 0; g * W < rn; ++g) acc[g].store(data + bh * L + r0 + g * W, std::min(W, rn - g * W));
     }
   });
 }
@@ -1011,10 +1061,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_bwd_extension", [&] {
     using T = acc_t<scalar_t>;
-    compute_delta<T>(dout_n, out_n, delta);
+    // (every tile of a call with at most kBwdRowsMax query rows goes to bwd_rows)
+    if (p.Lq > kBwdRowsMax) compute_delta<T>(out_n, dout_t.data_ptr<T>(), dout_t.stride(2), delta);
     const at::Tensor lse_lo = exact_large_lse<T>(p, Rows<const T>(qn), Rows<const T>(kn), lse_c);
     const BwdOperands<T> x{Rows<const T>(qn),
                            Rows<const T>(dout_n),
+                           Rows<const T>(out_n),
                            Rows<const T>(kn),
                            Rows<const T>(vn),
                            qt.data_ptr<T>(),

@@ -329,6 +329,28 @@ def test_short_query_tiles_get_exact_gradients_on_huge_rows(ext, schedule, Lq, f
     _check_huge_scores("key_lengths+causal_bottom_right", fill, 16, "cpu", Lq=Lq)
 
 
+# A row whose weights are one-hot in float32 (scores hundreds apart) has a score gradient
+# P (dP - sum(P dP)) of exactly 0 in the reference. The CPU backward takes sum(P dP) as
+# dO . O, and O is then the row of V that dP was formed from: summed in dP's order, the two
+# cancel exactly, on both tile layouts (Lq 1 and 2 query-major, 9 and 70 key-major, and the
+# causal tiles' last rows either way).
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("Lq", [1, 2, 9, 70])
+def test_one_hot_rows_get_exactly_zero_score_gradients(ext, schedule, Lq):
+    B, H, Hkv, Lk, D = 2, 4, 2, 90, 64
+    torch.manual_seed(0)
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, "cpu")
+    kw = _masks("key_lengths+causal_bottom_right", B, H, Lq, Lk, "cpu", torch.float32)
+    q, k, kw["attn_mask"] = huge_score_rows(q, k, make_float_mask((B, H, Lq, Lk), "cpu"), "logits")
+    dout = torch.randn_like(q)
+    _, dq, _, _, dmask = _run(_extension, q, k, v, dout, kw)
+    _, _, _, _, ref_dmask = _run(reference.attention, q, k, v, dout, kw)
+    lengths = kw["key_lengths"].view(B, 1, 1).expand(B, H, Lq)
+    one_hot = (ref_dmask == 0).all(-1) & (lengths > 0)
+    assert one_hot.sum() >= one_hot.numel() // 4, "the inputs should make many rows one-hot"
+    assert (dmask[one_hot] == 0).all() and (dq[one_hot] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", HUGE_KINDS)
 @pytest.mark.parametrize("fill", HUGE_FILLS, ids=str)
