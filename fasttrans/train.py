@@ -61,7 +61,7 @@ class TrainConfig:
     """Training settings; a task fills in its own defaults (fasttrans.tasks)."""
 
     task: str = "average"
-    steps: int = 3000  # total optimizer steps (a resumed run continues up to this count)
+    steps: int = 2000  # total optimizer steps (a resumed run continues up to this count)
     batch_size: int = 64  # global batch, split evenly across distributed ranks
     lr: float = 3e-3  # peak learning rate (AdamW)
     schedule: str = "cosine"  # after warmup: constant | cosine (to 0) | linear (to 0) | inverse_sqrt

@@ -237,9 +237,9 @@ def test_cli_demo_reports_model_and_baseline(tmp_path, capsys):
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
 
 
-@pytest.mark.slow(minutes=6)
+@pytest.mark.slow(minutes=5)
 def test_demo_recipe_learns_the_task(tmp_path, capsys):
-    """The main job as `make demo` runs it (default recipe, 3000 steps: a few minutes),
+    """The main job as `make demo` runs it (default recipe, 2000 steps: a few minutes),
     on one thread: the suite's other worker keeps the machine's other core busy, and two
     threads each would contend for both. The model's held-out MAE is at least 6x below the
     constant baseline's."""

@@ -102,7 +102,7 @@ TASKS: dict[str, Task] = {
         name="average",
         description="seed 001: the mean of ten numbers in [0, 1), digit by digit",
         model_config=_average_model,
-        train_defaults=dict(steps=3000, batch_size=64, lr=3e-3, warmup_steps=150, schedule="cosine"),
+        train_defaults=dict(steps=2000, batch_size=64, lr=3e-3, warmup_steps=150, schedule="cosine"),
         samples_per_epoch=4000,  # the seed's training set size
         bos_idx=average.START,
         eos_idx=average.END,
