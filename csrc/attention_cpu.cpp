@@ -951,6 +951,7 @@ inline Vec<T> gemm_step(const Vec<T>& x, const Vec<T>& y, const Vec<T>& acc) {
 template <typename T>
 void compute_delta(const at::Tensor& out, const T* dout_t, int64_t ld_t, at::Tensor& delta) {
   constexpr int64_t kTile = 16, W = Vec<T>::size();
+  static_assert(kTile % W == 0, "a block of rows is a whole number of vectors");
   const Rows<const T> out_rows(out);
   const int64_t H = out.size(1), L = out.size(2), D = out.size(3);
   const int64_t n_rt = (L + kTile - 1) / kTile;
