@@ -287,13 +287,20 @@ HUGE_FILLS = [-1e9, torch.finfo(torch.float32).min, -1e4, "logits"]
 HUGE_KINDS = ["none", "key_lengths+causal_bottom_right", "causal_negative"]
 
 
-def _check_huge_scores(kind, fill, D, device, dropout_p=0.0, Lq=70):
+def _huge_score_inputs(kind, fill, D, device, Lq=70, zero_length=True):
+    """(q, k, v, dout, op keywords) of B=2 H=4 Hkv=2 Lk=90 in float32 with rows of huge scores
+    (huge_score_rows) under a float mask; zero_length: batch 1 has key length 0, where kind has
+    key lengths."""
     B, H, Hkv, Lk = 2, 4, 2, 90
     q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, device)
-    kw = _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=True)
+    kw = _masks(kind, B, H, Lq, Lk, device, torch.float32, zero_length=zero_length)
     mask = make_float_mask((B, H, Lq, Lk), device)
     q, k, kw["attn_mask"] = huge_score_rows(q, k, mask, fill)
-    dout = torch.randn_like(q)
+    return q, k, v, torch.randn_like(q), kw
+
+
+def _check_huge_scores(kind, fill, D, device, dropout_p=0.0, Lq=70):
+    q, k, v, dout, kw = _huge_score_inputs(kind, fill, D, device, Lq)
     ref_kw = dict(kw)
     if dropout_p:  # the reference drops what the extension's seed draw drops (its keep-mask hook)
         torch.manual_seed(7)
@@ -337,16 +344,12 @@ def test_short_query_tiles_get_exact_gradients_on_huge_rows(ext, schedule, Lq, f
 @pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
 @pytest.mark.parametrize("Lq", [1, 2, 9, 70])
 def test_one_hot_rows_get_exactly_zero_score_gradients(ext, schedule, Lq):
-    B, H, Hkv, Lk, D = 2, 4, 2, 90, 64
     torch.manual_seed(0)
-    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32, "cpu")
-    kw = _masks("key_lengths+causal_bottom_right", B, H, Lq, Lk, "cpu", torch.float32)
-    q, k, kw["attn_mask"] = huge_score_rows(q, k, make_float_mask((B, H, Lq, Lk), "cpu"), "logits")
-    dout = torch.randn_like(q)
+    q, k, v, dout, kw = _huge_score_inputs("key_lengths+causal_bottom_right", "logits", 64, "cpu", Lq,
+                                           zero_length=False)
     _, dq, _, _, dmask = _run(_extension, q, k, v, dout, kw)
     _, _, _, _, ref_dmask = _run(reference.attention, q, k, v, dout, kw)
-    lengths = kw["key_lengths"].view(B, 1, 1).expand(B, H, Lq)
-    one_hot = (ref_dmask == 0).all(-1) & (lengths > 0)
+    one_hot = (ref_dmask == 0).all(-1)
     assert one_hot.sum() >= one_hot.numel() // 4, "the inputs should make many rows one-hot"
     assert (dmask[one_hot] == 0).all() and (dq[one_hot] == 0).all()
 
