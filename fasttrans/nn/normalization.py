@@ -86,10 +86,8 @@ class LayerNorm(NotScriptable, Module):
         return FT.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"bias={self.bias is not None}"
-        )
+        # the installed torch's own text, which differs between versions (bias= is newer)
+        return torch.nn.LayerNorm.extra_repr(self)
 
 
 class RMSNorm(NotScriptable, Module):
@@ -147,4 +145,4 @@ class RMSNorm(NotScriptable, Module):
         return FT.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        return torch.nn.RMSNorm.extra_repr(self)
