@@ -74,6 +74,13 @@ _UNSUPPORTED = {
 }
 
 
+# The submodules of transformers that code under torch.compile reads, imported by register()
+# and apply() outside any trace: dynamo in torch 2.11 cannot trace an import of transformers
+# (a lazy module), and a model's forward would break its graph there.
+_masking_utils = None
+_modeling_outputs = None
+
+
 def _transformers():
     try:
         import transformers
@@ -81,6 +88,11 @@ def _transformers():
         raise ImportError("fasttrans.integrations.transformers needs the transformers package: "
                           "pip install 'fasttrans[transformers]'") from e
     return transformers
+
+
+def _bind_submodules(transformers) -> None:
+    global _masking_utils, _modeling_outputs
+    _masking_utils, _modeling_outputs = transformers.masking_utils, transformers.modeling_outputs
 
 
 def _check_version(version: str) -> None:
@@ -101,6 +113,7 @@ def register() -> None:
     """
     transformers = _transformers()
     _check_version(transformers.__version__)
+    _bind_submodules(transformers)
     transformers.AttentionInterface.register(NAME, attention_forward)
     transformers.AttentionMaskInterface.register(NAME, attention_mask)
 
@@ -135,7 +148,7 @@ def attention_mask(
     can say the mask with ``is_causal`` (bottom-right aligned) or no mask; a bidirectional
     mask with padding as the (B, 1, 1, Lk) padding mask expanded over the queries (a view);
     else transformers' own bool mask (``masking_utils.sdpa_mask``: True = may attend)."""
-    mu = _transformers().masking_utils
+    mu = _masking_utils if _masking_utils is not None else _transformers().masking_utils
     if mask_function is None:
         mask_function = mu.causal_mask_function
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -473,6 +486,7 @@ def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     transformers = _transformers()
     _check_version(transformers.__version__)
+    _bind_submodules(transformers)
     skipped: list[tuple[str, str]] = []
     if attention:
         register()
@@ -720,7 +734,8 @@ class _UnpaddedCausalLMForward:
             extra = {k: v for k, v in own.items() if k in ("num_items_in_batch", "ignore_index")}
             loss = model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
                                        shift_labels=shift.reshape(-1).index_select(0, rows).unsqueeze(0), **extra)
-        return _transformers().modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=_scatter(logits, rows, shape))
+        outputs = _modeling_outputs if _modeling_outputs is not None else _transformers().modeling_outputs
+        return outputs.CausalLMOutputWithPast(loss=loss, logits=_scatter(logits, rows, shape))
 
 
 def _unpad_encoders(model: nn.Module) -> list[str]:
