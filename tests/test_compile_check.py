@@ -214,7 +214,9 @@ def test_loop_goals_hold_for_every_entry_they_name(all_rows):
     from fasttrans.kernels import _attention_configs as configs
     from fasttrans.kernels._attention_targets import LOOP_GOALS
 
-    # every sm_90 entry of a class with a goal is built in fp16 and bf16 and meets it
+    # every sm_90 entry of a class with a goal is built in fp16 and bf16 and meets it; the
+    # goals are counts of Triton 3.9's SASS, and an older Triton's loops are only reported
+    held = configs.TRITON_VERSION >= (3, 9)
     tables = {"attention_fwd": configs.FWD_CONFIGS, "attention_bwd_dkdv": configs.BWD_DKDV_CONFIGS,
               "attention_bwd_dq": configs.BWD_DQ_CONFIGS}
     assert LOOP_GOALS
@@ -225,7 +227,8 @@ def test_loop_goals_hold_for_every_entry_they_name(all_rows):
                 name = f"d{dclass}-{weight}-m{cfg.kwargs['BLOCK_M']}-n{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}" \
                        f"s{cfg.num_stages}{dtype}"
                 row = next(r for r in all_rows if r["kernel"] == kernel and r["arch"] == "sm_90" and r["config"] == name)
-                assert row["ok"] and row["loop_per_element"] is not None and row["loop_per_element"] <= goal, row
+                assert row["ok"] and row["loop_per_element"] is not None, row
+                assert not held or row["loop_per_element"] <= goal, row
 
 
 @pytest.mark.slow
