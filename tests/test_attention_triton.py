@@ -934,19 +934,24 @@ def test_dq_tiles_hold_whole_blocks_of_flags():
 def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
     """Below Triton 3.9 the classes of BEFORE_TRITON_3_9 take its entries (compile-checked with
     3.6, whose ptxas spills in the 3.9 entries): each names a class of a table, and the dQ
-    tile rule holds for its dQ entries; with 3.9 the tables are unchanged."""
+    tile rule holds for its dQ entries; with 3.9 the tables are unchanged. Both as the module
+    reads them under each version, whichever Triton is installed."""
     import importlib.util
 
     import triton
 
-    from fasttrans.kernels import _attention_configs as C
+    from fasttrans.kernels import _attention_configs
 
-    path = C.__file__
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
-    spec = importlib.util.spec_from_file_location("fasttrans.kernels._configs_as_on_3_6", path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    assert old.TRITON_VERSION == (3, 6) and C.TRITON_VERSION >= (3, 9)
+    def as_on(version: str):
+        monkeypatch.setattr(triton, "__version__", version)
+        spec = importlib.util.spec_from_file_location(f"fasttrans.kernels._configs_as_on_{version}",
+                                                      _attention_configs.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    old, C = as_on("3.6.0"), as_on("3.9.0")
+    assert old.TRITON_VERSION == (3, 6) and C.TRITON_VERSION == (3, 9)
     for (table, arch, cls), entries in C.BEFORE_TRITON_3_9.items():
         assert cls in getattr(C, table)[arch], (table, arch, cls)
         assert entries and all(isinstance(e, triton.Config) for e in entries)
