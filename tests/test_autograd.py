@@ -190,7 +190,8 @@ def _public_norms_match_the_registered_op(case, dtype):
         if backend == "extension":  # 3-D: the rows viewed as x
             assert (node if case == "rows" else node.next_functions[0][0]).name().endswith("NormFunction>")
         else:  # the kernels write x's shape: no view
-            assert node.name() == f"norm_fwd_{backend}_eagerBackward"
+            # the node's class: torch 2.11's Python Function nodes have no name()
+            assert type(node).__name__ == f"norm_fwd_{backend}_eagerBackward"
 
 
 @pytest.mark.parametrize("dtype, backend", _common_case_backends("norm", (torch.float16,)))
