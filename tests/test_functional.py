@@ -601,6 +601,29 @@ def test_interpreter_requested_after_importing_triton_is_named():
     assert "raised:" in r.stdout and "set after triton was imported" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False), ("3.9.0", "2.5.0", False),
+])
+def test_interpreter_that_cannot_run_with_this_numpy_is_named(monkeypatch, triton_version, numpy_version, refused):
+    """Triton before 3.7 interprets a loop bound by int() of a one-element array, which numpy
+    2.4 refuses: the Triton backend on CPU names both versions instead of failing in every
+    kernel."""
+    import numpy
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends.registry, "_triton_language_interpreted", lambda: True)
+    reason = backends.registry._triton_check(torch.device("cpu"))
+    if refused:
+        assert f"Triton {triton_version}'s interpreter" in reason and f"numpy {numpy_version}" in reason, reason
+        assert "numpy < 2.4 or Triton >= 3.7" in reason
+    else:
+        assert reason is None
+    assert backends.registry._triton_check(torch.device("cuda")) is None  # compiled kernels: no interpreter
+
+
 def test_automatic_fallback_warns_once(monkeypatch):
     monkeypatch.delenv("FASTTRANS_BACKEND", raising=False)
     broken = backends.Backend("extension", lambda: (_ for _ in ()).throw(OSError("compiler missing")),

@@ -161,8 +161,31 @@ def _triton_check(device: torch.device) -> str | None:
         if not _triton_language_interpreted():
             return ("TRITON_INTERPRET=1 was set after triton was imported, so triton.language was built for the "
                     "GPU and its functions cannot run in the interpreter; set it before importing triton (and fasttrans)")
-        return None
+        return _interpreter_numpy_conflict()
     return f"Triton does not support device type '{device.type}'"
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _interpreter_numpy_conflict() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels with the installed numpy, or None.
+    Before Triton 3.7 the interpreter turns a loop bound into an int by int() of a one-element
+    array, which numpy 2.4 refuses, so every kernel with such a loop would fail inside it."""
+    import triton
+
+    if _release(triton.__version__) >= (3, 7):
+        return None
+    try:
+        import numpy
+    except ImportError:  # the interpreter needs numpy: Triton's own import error says so
+        return None
+    if _release(numpy.__version__) < (2, 4):
+        return None
+    return (f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} (it converts "
+            "one-element arrays to int, which numpy 2.4 refuses): install numpy < 2.4 or Triton >= 3.7")
 
 
 def _triton_language_interpreted() -> bool:
