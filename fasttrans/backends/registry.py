@@ -12,6 +12,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .. import environ, extension, reference
 
@@ -165,24 +166,19 @@ def _triton_check(device: torch.device) -> str | None:
     return f"Triton does not support device type '{device.type}'"
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = (version.split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def _interpreter_numpy_conflict() -> str | None:
     """Why this Triton's interpreter cannot run the kernels with the installed numpy, or None.
     Before Triton 3.7 the interpreter turns a loop bound into an int by int() of a one-element
     array, which numpy 2.4 refuses, so every kernel with such a loop would fail inside it."""
     import triton
 
-    if _release(triton.__version__) >= (3, 7):
+    if TorchVersion(triton.__version__) >= (3, 7):
         return None
     try:
         import numpy
     except ImportError:  # the interpreter needs numpy: Triton's own import error says so
         return None
-    if _release(numpy.__version__) < (2, 4):
+    if TorchVersion(numpy.__version__) < (2, 4):
         return None
     return (f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} (it converts "
             "one-element arrays to int, which numpy 2.4 refuses): install numpy < 2.4 or Triton >= 3.7")
