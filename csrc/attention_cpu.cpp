@@ -6,6 +6,8 @@
 //                                   l  = l exp(m - m') + rowsum P
 //                                   O  = O exp(m - m') + (P * keep) V_j
 //     out = O / (l (1 - p)),  lse = m + log l   (fp32; fp64 for fp64 inputs)
+// m moves only when rowmax S passes it by more than ln 16 (m' = m otherwise): the result is
+// the same for any m, and a tile that leaves m in place takes one pass over its scores.
 // A row with no visible key keeps m = -inf and l = 0: out = 0 and lse = +inf, so the
 // backward recomputes P = exp(S - lse) = 0 for it without a special case.
 //
@@ -357,6 +359,9 @@ struct Rows {
 // 16 x 16 in-register transpose, shared by the rows but followed by a GEMM), so for a few
 // rows the dots win; past 4 rows they stopped gaining on this project's CPU machines.
 constexpr int64_t kFwdDotRows = 4;
+// How far a tile's max may pass the row's running max before the forward rescales (ln 16).
+template <typename T>
+constexpr T kRescaleSlack = T(2.772588722239781);
 
 // kn: K in the accumulation dtype, as rows (B, Hkv, Lk, D).
 template <typename scalar_t>
@@ -437,8 +442,10 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         }
         // scaled after the products, as the reference's (q . k) * scale: a scaled q can overflow
         // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf). Without a
-        // mask or the diagonal the scaling rides on the row max's pass below.
+        // mask or the diagonal, and for scale > 0, the scale rides on the exponent's FMA,
+        // exp(scale s - m), and the row max is taken of the raw products.
         const bool masked = p.mask || p.crosses_diagonal(i0, j0 + bn - 1);
+        const bool fold = !masked && p.scale > 0;
         if (masked) {
           for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
         }
@@ -458,32 +465,57 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         for (int64_t r = 0; r < bm; ++r) {
           T* srow = s.s.data() + r * BN;
           T* lrow = s.l.data() + r * W;  // the row's sum of weights, lane by lane
-          const T tile_max = masked ? row_max(srow, bn) : scale_row_max(srow, bn, T(p.scale));
-          const T m_new = nan_max(s.m[r], tile_max);
-          if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
-            std::fill(srow, srow + bn, T(0));
-            continue;
+          // The row's first visible tile sets its running max m; later ones move it only when
+          // their max passes it by more than kRescaleSlack, so that rescaling (and its
+          // unpredictable branch) is rare after the first tile. out = O / l and lse = m + log l
+          // hold for any m; one below the row's max by at most the slack keeps every weight at
+          // most e^slack = 16. Such a tile takes one pass (exp_row_in_one_pass); the others, the
+          // row max's pass first.
+          T a = masked ? T(1) : T(p.scale);  // the scale the exponent applies
+          if (exact || !exp_row_in_one_pass(srow, bn, a, s.m[r], kRescaleSlack<T>, lrow)) {
+            T tile_max;
+            if (masked) {
+              tile_max = row_max(srow, bn);
+            } else if (fold) {
+              // max(scale s) = scale max(s) for scale > 0, rounding included
+              tile_max = row_max(srow, bn) * T(p.scale);
+              if (tile_max == std::numeric_limits<T>::infinity()) {  // a product overflows, as in the reference
+                scale_row(srow, bn, T(p.scale));
+                a = T(1);
+              }
+            } else {
+              tile_max = scale_row_max(srow, bn, T(p.scale));
+              a = T(1);
+            }
+            const T m_old = s.m[r];
+            const T m_new = nan_max(m_old, tile_max);
+            if (m_new == neg_inf<T>()) {  // nothing visible to this row yet: P = 0
+              std::fill(srow, srow + bn, T(0));
+              continue;
+            }
+            if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
+              std::fill(srow, srow + bn, m_new);
+              s.m[r] = m_new;
+              std::fill(lrow, lrow + W, m_new);
+              scale_row(s.o.data() + r * D, D, m_new);
+              continue;
+            }
+            Vec<T> l = Vec<T>::loadu(lrow);
+            if (!(tile_max <= m_old + kRescaleSlack<T>)) {
+              if (m_old != neg_inf<T>()) {  // rescale what the earlier tiles summed
+                const T alpha = std::exp(m_old - tile_max);
+                l = l * Vec<T>(alpha);
+                scale_row(s.o.data() + r * D, D, alpha);
+              }
+              s.m[r] = tile_max;
+            }
+            if (exact) {
+              l = l + Vec<T>::set(Vec<T>(T(0)), Vec<T>(exp_affine_sum_exact(srow, bn, a, s.m[r])), 1);
+            } else {
+              l = l + exp_affine_lanes(srow, bn, a, s.m[r]);
+            }
+            l.store(lrow);
           }
-          if (std::isnan(m_new)) {  // a NaN score: the row is NaN (exp_u20 would map NaN to inf)
-            std::fill(srow, srow + bn, m_new);
-            s.m[r] = m_new;
-            std::fill(lrow, lrow + W, m_new);
-            scale_row(s.o.data() + r * D, D, m_new);
-            continue;
-          }
-          Vec<T> l = Vec<T>::loadu(lrow);
-          if (m_new != s.m[r]) {  // rescale what the earlier tiles summed (by 0 while the row was empty)
-            const T alpha = std::exp(s.m[r] - m_new);
-            l = l * Vec<T>(alpha);
-            scale_row(s.o.data() + r * D, D, alpha);
-            s.m[r] = m_new;
-          }
-          if (exact) {
-            l = l + Vec<T>::set(Vec<T>(T(0)), Vec<T>(exp_sub_sum_exact(srow, bn, m_new)), 1);
-          } else {
-            l = l + exp_sub_lanes(srow, bn, m_new);
-          }
-          l.store(lrow);
           if (p.dropout.enabled) {  // l keeps the undropped sum: dropout acts after the softmax
             dropout_keep_row(p.dropout, b, h, i0 + r, j0, bn, s.row.data());
             for (int64_t c = 0; c < bn; ++c) srow[c] *= s.row[c];

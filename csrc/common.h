@@ -286,26 +286,75 @@ inline T scale_row_max(T* x, int64_t n, T a) {
   return lane_max(at::vec::maximum(m0, m1));
 }
 
-// x[k] = exp(x[k] - m); returns the new x's lane-wise partial sums (lanes past n excluded), so
-// that a caller accumulating over many rows' tiles reduces across lanes once, at the end.
+// x[k] = exp(a x[k] - m), the argument rounded once (an FMA); returns the new x's lane-wise
+// partial sums (lanes past n excluded), so that a caller accumulating over many rows' tiles
+// reduces across lanes once, at the end.
 template <typename T>
-inline Vec<T> exp_sub_lanes(T* x, int64_t n, T m) {
+inline Vec<T> exp_affine_lanes(T* x, int64_t n, T a, T m) {
   constexpr int64_t W = Vec<T>::size();
-  const Vec<T> vm(m);
+  const Vec<T> va(a), vnm(-m);
   Vec<T> acc(T(0));
   int64_t k = 0;
   for (; k + W <= n; k += W) {
-    Vec<T> e = vexp(Vec<T>::loadu(x + k) - vm);
+    Vec<T> e = vexp(at::vec::fmadd(Vec<T>::loadu(x + k), va, vnm));
     e.store(x + k);
     acc = acc + e;
   }
   if (k < n) {
-    Vec<T> e = vexp(Vec<T>::loadu(x + k, n - k) - vm);
+    Vec<T> e = vexp(at::vec::fmadd(Vec<T>::loadu(x + k, n - k), va, vnm));
     e.store(x + k, n - k);
     // lanes past n were loaded as 0 and became exp(-m): keep them out of the sum
     acc = acc + Vec<T>::set(Vec<T>(T(0)), e, n - k);
   }
   return acc;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// exp_affine_lanes over NV full vectors held in registers: false, with x untouched, where
+// any a x[k] - m is above `limit` or NaN.
+template <int NV>
+inline bool exp_affine_row_within(float* x, float a, float m, float limit, float* lane_sums) {
+  const __m512 va = _mm512_set1_ps(a), vnm = _mm512_set1_ps(-m), vlimit = _mm512_set1_ps(limit);
+  __m512 t[NV];
+  __mmask16 over = 0;
+  for (int v = 0; v < NV; ++v) {
+    t[v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * v), va, vnm);
+    over |= _mm512_cmp_ps_mask(t[v], vlimit, _CMP_NLE_UQ);
+  }
+  if (over) return false;
+  __m512 acc = _mm512_loadu_ps(lane_sums);
+  for (int v = 0; v < NV; ++v) {
+    const __m512 e = exp_avx512(t[v]);
+    _mm512_storeu_ps(x + 16 * v, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  _mm512_storeu_ps(lane_sums, acc);
+  return true;
+}
+#endif
+
+// The attention forward's one-pass softmax row, where the row's running max m is finite and
+// no a x[k] - m passes `slack`: x[k] = exp(a x[k] - m) (as exp_affine_lanes), added to
+// lane_sums (Vec<T>::size() lanes); returns false, with x untouched, for any other row and
+// where the machine has no such path (fp32 rows of 64 or 128 under AVX-512), so that the
+// caller takes the row max's pass.
+template <typename T>
+inline bool exp_row_in_one_pass(T* x, int64_t n, T a, T m, T slack, T* lane_sums) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (std::isfinite(m)) {
+      if (n == 128) return exp_affine_row_within<8>(x, a, m, slack, lane_sums);
+      if (n == 64) return exp_affine_row_within<4>(x, a, m, slack, lane_sums);
+    }
+  }
+#endif
+  return false;
+}
+
+// x[k] = exp(x[k] - m); returns the new x's lane-wise partial sums (see exp_affine_lanes).
+template <typename T>
+inline Vec<T> exp_sub_lanes(T* x, int64_t n, T m) {
+  return exp_affine_lanes(x, n, T(1), m);  // fma(x, 1, -m) is x - m exactly
 }
 
 // x[k] = exp(x[k] - m); returns the sum of the new x.
@@ -314,18 +363,24 @@ inline T exp_sub_sum(T* x, int64_t n, T m) {
   return lane_sum(exp_sub_lanes(x, n, m));
 }
 
-// exp_sub_sum by std::exp: the results below FLT_MIN, which exp_u20 flushes to 0, stay
-// subnormal (a weight of exp(-95) times an inf in v is inf, not 0 * inf = NaN). For double
-// vexp is exact already.
+// The sum of exp_affine_lanes by std::exp: the results below FLT_MIN, which exp_u20 flushes
+// to 0, stay subnormal (a weight of exp(-95) times an inf in v is inf, not 0 * inf = NaN).
+// For double vexp is exact already.
 template <typename T>
-inline T exp_sub_sum_exact(T* x, int64_t n, T m) {
+inline T exp_affine_sum_exact(T* x, int64_t n, T a, T m) {
   if constexpr (!std::is_same_v<T, float>) {
-    return exp_sub_sum(x, n, m);
+    return lane_sum(exp_affine_lanes(x, n, a, m));
   } else {
     T s = 0;
-    for (int64_t k = 0; k < n; ++k) s += (x[k] = std::exp(x[k] - m));
+    for (int64_t k = 0; k < n; ++k) s += (x[k] = std::exp(std::fma(a, x[k], -m)));
     return s;
   }
+}
+
+// exp_sub_sum by std::exp (see exp_affine_sum_exact).
+template <typename T>
+inline T exp_sub_sum_exact(T* x, int64_t n, T m) {
+  return exp_affine_sum_exact(x, n, T(1), m);
 }
 
 // Whether a row of o (rows of n) has a NaN or an inf where its running max m is finite: with
