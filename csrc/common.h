@@ -162,10 +162,10 @@ inline T lane_max(const Vec<T>& v) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// row_max / scale_row_max for fp32: the plain max instruction, with NaNs tracked apart (one
-// unordered compare per two vectors) instead of at::vec::maximum's compare-and-blend at every
-// step. F32Simd: the few instructions that differ between AVX-512 (NaNs in a mask register)
-// and AVX2 (in a vector).
+// row_max / scale_row_max for fp32 (and the forward's one-pass softmax rows, below): the
+// plain max instruction, with NaNs tracked apart (one unordered compare per two vectors)
+// instead of at::vec::maximum's compare-and-blend at every step. F32Simd: the few
+// instructions that differ between AVX-512 (NaNs in a mask register) and AVX2 (in a vector).
 #if defined(CPU_CAPABILITY_AVX512)
 struct F32Simd {
   using V = __m512;
@@ -180,6 +180,10 @@ struct F32Simd {
   static Nan add_nans(Nan acc, V a, V b) { return acc | _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
   static bool any(Nan acc) { return acc != 0; }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static Nan add_above(Nan acc, V a, V limit) { return acc | _mm512_cmp_ps_mask(a, limit, _CMP_NLE_UQ); }  // or NaN
+  static V exp(V x) { return exp_avx512(x); }
 };
 #else
 struct F32Simd {
@@ -194,6 +198,10 @@ struct F32Simd {
   static Nan no_nan() { return _mm256_setzero_ps(); }
   static Nan add_nans(Nan acc, V a, V b) { return _mm256_or_ps(acc, _mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
   static bool any(Nan acc) { return _mm256_movemask_ps(acc) != 0; }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static Nan add_above(Nan acc, V a, V limit) { return _mm256_or_ps(acc, _mm256_cmp_ps(a, limit, _CMP_NLE_UQ)); }
+  static V exp(V x) { return exp_avx2(x); }  // called on x <= a finite limit
   static float reduce_max(V v) {  // no NaN left: plain max instructions
     const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -309,26 +317,27 @@ inline Vec<T> exp_affine_lanes(T* x, int64_t n, T a, T m) {
   return acc;
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// exp_affine_lanes over NV full vectors held in registers: false, with x untouched, where
-// any a x[k] - m is above `limit` or NaN.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// exp_affine_lanes over NV full vectors held in registers (F32Simd's): false, with x
+// untouched, where any a x[k] - m is above `limit` or NaN.
 template <int NV>
 inline bool exp_affine_row_within(float* x, float a, float m, float limit, float* lane_sums) {
-  const __m512 va = _mm512_set1_ps(a), vnm = _mm512_set1_ps(-m), vlimit = _mm512_set1_ps(limit);
-  __m512 t[NV];
-  __mmask16 over = 0;
+  using S = F32Simd;
+  const S::V va = S::set1(a), vnm = S::set1(-m), vlimit = S::set1(limit);
+  S::V t[NV];
+  S::Nan over = S::no_nan();
   for (int v = 0; v < NV; ++v) {
-    t[v] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * v), va, vnm);
-    over |= _mm512_cmp_ps_mask(t[v], vlimit, _CMP_NLE_UQ);
+    t[v] = S::fmadd(S::load(x + S::W * v), va, vnm);
+    over = S::add_above(over, t[v], vlimit);
   }
-  if (over) return false;
-  __m512 acc = _mm512_loadu_ps(lane_sums);
+  if (S::any(over)) return false;
+  S::V acc = S::load(lane_sums);
   for (int v = 0; v < NV; ++v) {
-    const __m512 e = exp_avx512(t[v]);
-    _mm512_storeu_ps(x + 16 * v, e);
-    acc = _mm512_add_ps(acc, e);
+    const S::V e = S::exp(t[v]);
+    S::store(x + S::W * v, e);
+    acc = S::add(acc, e);
   }
-  _mm512_storeu_ps(lane_sums, acc);
+  S::store(lane_sums, acc);
   return true;
 }
 #endif
@@ -336,15 +345,15 @@ inline bool exp_affine_row_within(float* x, float a, float m, float limit, float
 // The attention forward's one-pass softmax row, where the row's running max m is finite and
 // no a x[k] - m passes `slack`: x[k] = exp(a x[k] - m) (as exp_affine_lanes), added to
 // lane_sums (Vec<T>::size() lanes); returns false, with x untouched, for any other row and
-// where the machine has no such path (fp32 rows of 64 or 128 under AVX-512), so that the
-// caller takes the row max's pass.
+// where the machine has no such path (fp32 rows of 64 or 128 under AVX-512 or AVX2), so that
+// the caller takes the row max's pass.
 template <typename T>
 inline bool exp_row_in_one_pass(T* x, int64_t n, T a, T m, T slack, T* lane_sums) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
     if (std::isfinite(m)) {
-      if (n == 128) return exp_affine_row_within<8>(x, a, m, slack, lane_sums);
-      if (n == 64) return exp_affine_row_within<4>(x, a, m, slack, lane_sums);
+      if (n == 128) return exp_affine_row_within<128 / F32Simd::W>(x, a, m, slack, lane_sums);
+      if (n == 64) return exp_affine_row_within<64 / F32Simd::W>(x, a, m, slack, lane_sums);
     }
   }
 #endif

@@ -457,6 +457,73 @@ def test_one_long_sequence_is_split_over_threads(ext, phase):
 
 
 # ---------------------------------------------------------------------------------------
+# the forward's running max: rows whose max moves between key tiles
+# ---------------------------------------------------------------------------------------
+# The CPU forward moves a row's running max only when a key tile's max passes it by more than
+# ln 16, and takes a tile that leaves it in place in one pass (csrc/common.h,
+# exp_row_in_one_pass: fp32 tiles of 64 or 128 keys); a tile whose scores pass it, or hold a
+# NaN or an inf, goes back to the row max's pass. Lk = 400: six full tiles of 64 keys (three of
+# 128), then a ragged one.
+MOVING_MAX_CASES = ["growing", "shrinking", "late_jump", "late_jump_masked", "negative_scale",
+                    "key_lengths+causal", "late_nan", "late_inf_mask"]
+
+
+def _moving_max_case(case):
+    B, H, Lq, Lk, D = 2, 2, 70, 400, 32
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, torch.float32)
+    ramp = torch.linspace(0.25, 4.0, Lk).view(1, 1, Lk, 1)
+    kw = {}
+    if case in ("growing", "key_lengths+causal"):
+        k = k * ramp
+    if case == "key_lengths+causal":
+        kw.update(key_lengths=torch.tensor([Lk, 300]), is_causal=True, causal_offset=Lk - Lq)
+    elif case == "shrinking":
+        k = k * ramp.flip(2)
+    elif case == "late_jump":  # scores of about 110 on one late key (exp overflows float32 past 88)
+        q = q + 1.0
+        k[:, :, Lk - 90] = 20.0
+    elif case == "late_jump_masked":  # the same through a float mask (tiles with a mask)
+        kw["attn_mask"] = torch.zeros(B, H, Lq, Lk)
+        kw["attn_mask"][..., 200:] = torch.linspace(0, 120, Lk - 200)
+    elif case == "negative_scale":
+        k = k * ramp
+        kw["scale"] = -0.5
+    elif case == "late_nan":  # one head's rows all NaN from their fourth tile of 64 on
+        k[0, 1, 250, 3] = float("nan")
+    elif case == "late_inf_mask":  # +inf on a late key: those rows are NaN, as in the reference
+        kw["attn_mask"] = torch.zeros(B, H, Lq, Lk)
+        kw["attn_mask"][1, 0, 5, 300] = float("inf")
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("case", MOVING_MAX_CASES)
+def test_running_max_moves_between_key_tiles(ext, case):
+    q, k, v, kw = _moving_max_case(case)
+    if case not in ("late_nan", "late_inf_mask"):
+        _check_against_reference(q, k, v, kw)
+        return
+    with torch.no_grad():
+        out, want = _extension(q, k, v, **kw), reference.attention(q, k, v, **kw)
+    nan_rows = torch.isnan(want).any(-1)
+    assert nan_rows.any() and torch.equal(torch.isnan(out).any(-1), nan_rows)
+    assert torch.isnan(out[nan_rows]).all()
+    assert_close_lowp("out", out[~nan_rows], want[~nan_rows], None, dtype=torch.float32)
+
+
+@pytest.mark.slow(minutes=0.5)
+@pytest.mark.parametrize("tiles", ["64x128,64x64", "64x64,64x64"])
+def test_one_pass_rows_at_both_key_tile_widths(ext, tiles):
+    """The cases above in a child process whose forward key tiles are 128 or 64 keys wide,
+    the widths the one-pass rows take (the suite's tiles follow the machine's L2), in this
+    process's instruction set."""
+    proc = run_python(["-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                       "-k", "running_max_moves"], timeout=600, FASTTRANS_CPU_ATTENTION_TILES=tiles,
+                      FASTTRANS_CPU_ARCH=os.environ.get("FASTTRANS_CPU_ARCH", ""))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(MOVING_MAX_CASES)} passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------
 # dropout: the keep-mask hook, its definition and its statistics
 # ---------------------------------------------------------------------------------------
 def test_philox_known_answers():
