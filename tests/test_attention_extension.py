@@ -488,7 +488,7 @@ def _moving_max_case(case):
     elif case == "negative_scale":
         k = k * ramp
         kw["scale"] = -0.5
-    elif case == "late_nan":  # one head's rows all NaN from their fourth tile of 64 on
+    elif case == "late_nan":  # a NaN in key 250, past the rows' first tile: that head's rows are NaN
         k[0, 1, 250, 3] = float("nan")
     elif case == "late_inf_mask":  # +inf on a late key: those rows are NaN, as in the reference
         kw["attn_mask"] = torch.zeros(B, H, Lq, Lk)
