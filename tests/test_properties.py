@@ -19,7 +19,7 @@ import fasttrans
 from fasttrans import reference
 
 from conftest import backend_params
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, fuzz_settings
 
 EXAMPLES = int(os.environ.get("FASTTRANS_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(
@@ -108,6 +108,76 @@ def _run_attention(case, backend, dtype=torch.float32):
 @given(case=attention_cases())
 def test_attention_matches_reference(backend, case):
     _run_attention(case, backend)
+
+
+@st.composite
+def tiled_attention_cases(draw):
+    """Shapes of several CPU tiles each way (64 x 128 forward tiles), with score scales and a
+    ramp over the keys that move a row's max from one key tile to the next."""
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.integers(1, 2))
+    Lq, Lk = draw(st.integers(1, 200)), draw(st.integers(1, 400))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    case = dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=draw(st.sampled_from([8, 16, 40, 64, 72, 128])), dtype=dtype,
+                q_scale=draw(st.sampled_from([0.1, 1.0, 2.0])), ramp=draw(st.sampled_from([0.0, 0.03, -0.03])),
+                mask=draw(st.sampled_from(["none", "bool", "float", "float_bcast"])),
+                dropout_p=draw(st.sampled_from([0.0, 0.0, 0.2])), seed=draw(st.integers(0, 2**16)))
+    if draw(st.booleans()):
+        case["key_lengths"] = draw(st.lists(st.integers(0, Lk), min_size=B, max_size=B))
+    if draw(st.booleans()):
+        case["causal_offset"] = draw(st.integers(-Lq, Lk))
+    return case
+
+
+@fuzz_settings(25)
+@given(case=tiled_attention_cases())
+def test_extension_attention_across_tiles_matches_reference(ext, case):
+    """The CPU kernels' tiling (rows and keys over several tiles, the running max moving
+    between key tiles, partial last tiles, dropout's counters) against the fp64 reference;
+    the fuzz above stays within one tile. The baseline is the reference in the test's dtype.
+    Derandomized: the same examples on every machine."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, H, Hkv, Lq, Lk, D, dtype = (case[k] for k in ("B", "H", "Hkv", "Lq", "Lk", "D", "dtype"))
+    q = torch.randn(B, H, Lq, D, generator=g) * case["q_scale"]
+    k = torch.randn(B, Hkv, Lk, D, generator=g)
+    # every score grows by `ramp` per key (q's first lane 1, k's first lane a ramp): over a
+    # 128-key tile, past the ln 16 the running max may lag. Scores stay of order ten: near
+    # one-hot rows (huge scores, large queries) make dS = P (dP - dO . O) cancel to below the
+    # fp32 reference's rounding, a bound of its own (test_attention_extension.py's huge-score tests)
+    q[..., 0] = 1.0
+    k[..., 0] += case["ramp"] * D ** 0.5 * torch.arange(Lk)
+    v = torch.randn(B, Hkv, Lk, D, generator=g)
+    dout = torch.randn(B, H, Lq, D, generator=g)
+    kw = {}
+    if case["mask"] == "bool":
+        kw["attn_mask"] = torch.rand(B, 1, Lq, Lk, generator=g) < 0.8
+    elif case["mask"] == "float":
+        kw["attn_mask"] = torch.randn(B, H, Lq, Lk, generator=g) * 3
+    elif case["mask"] == "float_bcast":
+        kw["attn_mask"] = torch.randn(Lq, Lk, generator=g)
+    if "key_lengths" in case:
+        kw["key_lengths"] = torch.tensor(case["key_lengths"])
+    if "causal_offset" in case:
+        kw.update(is_causal=True, causal_offset=case["causal_offset"])
+    # every run sees the same inputs, rounded to the test's dtype
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    if "attn_mask" in kw and kw["attn_mask"].dtype != torch.bool:
+        kw["attn_mask"] = kw["attn_mask"].to(dtype)
+
+    def run(backend, as_dtype):
+        tensors = [t.detach().to(as_dtype).requires_grad_() for t in (q, k, v)]
+        args = {n: t.to(as_dtype) if n == "attn_mask" and t.dtype != torch.bool else t for n, t in kw.items()}
+        torch.manual_seed(case["seed"])  # the same dropout seed for every run
+        with fasttrans.use_backend(backend):
+            out = fasttrans.attention(*tensors, dropout_p=case["dropout_p"], **args)
+        return [out] + list(torch.autograd.grad(out, tensors, dout.to(as_dtype)))
+
+    got = run("extension", dtype)
+    expected = run("reference", torch.float64)
+    baseline = run("reference", dtype)
+    for name, a, e, base in zip(("out", "dq", "dk", "dv"), got, expected, baseline):
+        assert_close_lowp(f"extension {name}", a, e, base, dtype=dtype)
 
 
 @st.composite
