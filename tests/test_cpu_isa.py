@@ -60,7 +60,8 @@ def test_other_instruction_set_matches_reference(ext):
         pytest.skip(f"builds an x86-64 instruction set; this machine is {platform.machine()}")
     arch, capability = other
     files = [str(REPO / "tests" / f) for f in
-             ("test_attention_extension.py", "test_layernorm_extension.py", "test_dropout.py", "test_cpu_isa.py")]
+             ("test_attention_extension.py", "test_layernorm_extension.py", "test_dropout.py", "test_properties.py",
+              "test_cpu_isa.py")]
     proc = run_python(["-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", _SELECTION],
                       timeout=1200, FASTTRANS_CPU_ARCH=arch, EXPECT_CPU_CAPABILITY=capability,
                       FASTTRANS_CPU_ATTENTION_TILES="24x40,24x40")
