@@ -112,8 +112,9 @@ def test_attention_matches_reference(backend, case):
 
 @st.composite
 def tiled_attention_cases(draw):
-    """Shapes of several CPU tiles each way (64 x 128 forward tiles), with score scales and a
-    ramp over the keys that move a row's max from one key tile to the next."""
+    """Shapes of several CPU attention tiles each way (the forward's are 128 keys wide at most;
+    csrc/attention_cpu.cpp picks them by head dim and L2 size), with score scales and a ramp
+    over the keys that moves a row's max from one key tile to the next."""
     B = draw(st.integers(1, 2))
     Hkv = draw(st.integers(1, 2))
     H = Hkv * draw(st.integers(1, 2))
@@ -142,7 +143,7 @@ def test_extension_attention_across_tiles_matches_reference(ext, case):
     q = torch.randn(B, H, Lq, D, generator=g) * case["q_scale"]
     k = torch.randn(B, Hkv, Lk, D, generator=g)
     # every score grows by `ramp` per key (q's first lane 1, k's first lane a ramp): over a
-    # 128-key tile, past the ln 16 the running max may lag. Scores stay of order ten: near
+    # tile of 128 keys, past the ln 16 the running max may lag. Scores stay of order ten: near
     # one-hot rows (huge scores, large queries) make dS = P (dP - dO . O) cancel to below the
     # fp32 reference's rounding, a bound of its own (test_attention_extension.py's huge-score tests)
     q[..., 0] = 1.0
