@@ -43,7 +43,7 @@ __all__ = ["Launcher", "Spec", "PLANNED_VERSIONS", "plans_enabled", "signature",
 # Triton versions whose JITFunction.run launches as ``kernel.run(grid_0, grid_1, grid_2,
 # stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``
 # with the constexprs among all_args, which is how plans launch.
-PLANNED_VERSIONS = ("3.6", "3.9")
+PLANNED_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
 
 
 def _version_planned() -> bool:
@@ -62,6 +62,9 @@ def plans_enabled() -> bool:
 _INT32_MIN, _INT32_END = -(2**31), 2**31
 _data_ptr = torch.Tensor.data_ptr
 _TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
+# The C launch function beneath a kernel's launcher takes the kernel's arguments as one tuple
+# from Triton 3.7 on, spread out in 3.6 (see _direct_launch).
+_ARGS_AS_TUPLE = _TRITON_MINOR in ("3.7", "3.8", "3.9")
 
 
 def _getter(indices: list[int]):
@@ -123,7 +126,7 @@ def _direct_launch(compiled) -> tuple:
         return None, None, 0
     scratch = run.global_scratch_size * run.num_ctas
     slot = _SCRATCH if scratch else None
-    if _TRITON_MINOR == "3.9":
+    if _ARGS_AS_TUPLE:
         # launch(gx, gy, gz, stream, function, cooperative, pdl, metadata, launch_metadata,
         #        enter_hook, exit_hook, global_scratch, profile_scratch, annotations, signature, args)
         return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
@@ -242,11 +245,11 @@ class Launcher:
                 plan.run(g[0], g1, g2, stream, plan.function, plan.metadata, None, None, None, *args, *plan.tail)
         elif plan.scratch:
             head = _scratch_head(plan.head, g[0] * g1 * g2 * plan.scratch, args[0].device)
-            if _TRITON_MINOR == "3.9":
+            if _ARGS_AS_TUPLE:
                 plan.direct(g[0], g1, g2, stream, *head, args + plan.tail)
             else:
                 plan.direct(g[0], g1, g2, stream, *head, *args, *plan.tail)
-        elif _TRITON_MINOR == "3.9":
+        elif _ARGS_AS_TUPLE:
             plan.direct(g[0], g1, g2, stream, *plan.head, args + plan.tail)
         else:
             plan.direct(g[0], g1, g2, stream, *plan.head, *args, *plan.tail)
@@ -276,7 +279,7 @@ class Launcher:
             before, after = head[:slot], head[slot + 1:]
             buffer_like = torch.empty((1,), dtype=torch.int8, device=args[0].device).expand(g0 * g1 * g2 * plan.scratch)
             empty_like = torch.empty_like
-            if _TRITON_MINOR == "3.9":
+            if _ARGS_AS_TUPLE:
                 def launch(args):
                     if not _PLANS or enter.calls or exit_.calls:
                         return self(grid, args, spec, device_index)
@@ -286,7 +289,7 @@ class Launcher:
                     if not _PLANS or enter.calls or exit_.calls:
                         return self(grid, args, spec, device_index)
                     direct(g0, g1, g2, stream_of(index), *before, empty_like(buffer_like), *after, *args, *tail)
-        elif _TRITON_MINOR == "3.9":
+        elif _ARGS_AS_TUPLE:
             def launch(args):
                 if not _PLANS or enter.calls or exit_.calls:
                     return self(grid, args, spec, device_index)

@@ -33,7 +33,7 @@ launches = []
 # CudaLauncher.__call__. The launch metadata and hooks are left out: the public route always
 # passes Triton's (empty) hook chains, plans pass None while no hook is installed.
 minor = ".".join(triton.__version__.split(".")[:2])
-unhooked = {"3.9": (8, 9, 10), "3.6": (10, 11, 12)}[minor]
+unhooked = (10, 11, 12) if minor == "3.6" else (8, 9, 10)  # 3.7 on: (metadata, hooks, scratch, ...)
 real_init = nvidia.CudaLauncher.__init__
 
 
@@ -120,7 +120,7 @@ with fasttrans.use_backend("triton"):
             assert a == p, f"{name}: launch {i} differs:\n public  {a}\n planned {p}"
         # the global scratch argument: the fp16 forward, dQ and dK/dV (sm_90 here, rows of 128
         # bytes) make tensor descriptors, whose scratch the plan allocates as Triton's launcher does
-        scratch = [p[1][{"3.9": 8, "3.6": 7}[minor]] for p in planned]
+        scratch = [p[1][7 if minor == "3.6" else 8] for p in planned]
         with_scratch = 3 if name == "attention fp16 causal" else 0
         assert all(s is not None and s[0] == "tensor" for s in scratch[:with_scratch]), (name, scratch)
         assert all(s is None for s in scratch[with_scratch:]), (name, scratch)
