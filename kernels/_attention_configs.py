@@ -14,8 +14,8 @@ import triton
 
 __all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS",
            "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BY_POINTERS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG",
-           "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_VERSION", "MASK_NONE", "MASK_BOOL", "MASK_FLOAT",
-           "dkdv_outputs"]
+           "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_3_7", "TRITON_3_8", "TRITON_VERSION", "MASK_NONE",
+           "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
 # Mask kinds (the kernels' MASK_KIND constexpr)
 MASK_NONE = 0
@@ -223,12 +223,33 @@ BY_POINTERS = {
     "dkdv": {(128, "light"): [_cfg(32, 128, 8, 2), _cfg(32, 64, 4, 2)]},
     "dq": {(128, "light"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)]},
 }
+# Triton 3.7 and 3.8 (3.8 is the Triton of torch 2.14) take BEFORE_TRITON_3_9 with the classes
+# of their own table replaced, where compile-check found spills under them in 3.6's entries
+# (and in 3.9's). Under 3.7 the sm_90 d128 light forward also loads by pointers in key tiles of
+# 64 (128 spills there).
+TRITON_3_7 = {
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 8, 1)],
+}
+TRITON_3_8 = {
+    ("FWD_CONFIGS_FP32", "sm_80", (64, "light")): [_cfg(128, 16, 8, 2)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (128, "dropout")): [_cfg(16, 128, 8, 2)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (256, "light")): [_cfg(16, 128, 8, 1)],
+    ("BWD_DKDV_CONFIGS", "sm_90", (256, "heavy")): [_cfg(16, 16, 4, 1), _cfg(16, 32, 8, 1)],  # 3.9's
+    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (64, "light")): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 2)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 16, 4, 2)],
+    ("BWD_DKDV_CONFIGS_FP32", "sm_80", (128, "heavy")): [_cfg(16, 32, 8, 1)],
+    ("BWD_DQ_CONFIGS", "sm_90", (128, "bool")): [_cfg(128, 32, 8, 2), _cfg(128, 32, 8, 1)],
+    ("BWD_DQ_CONFIGS", "sm_80", (128, "light")): [_cfg(128, 32, 8, 1), _cfg(64, 32, 4, 1)],
+    ("BWD_DQ_CONFIGS_FP32", "sm_90", (128, "light")): [_cfg(16, 32, 8, 1)],
+}
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 if TRITON_VERSION < (3, 9):
-    for (_table, _arch, _class), _entries in BEFORE_TRITON_3_9.items():
+    _older = {**BEFORE_TRITON_3_9, **{(3, 7): TRITON_3_7, (3, 8): TRITON_3_8}.get(TRITON_VERSION, {})}
+    for (_table, _arch, _class), _entries in _older.items():
         globals()[_table][_arch][_class] = list(_entries)
-    del _table, _arch, _class, _entries
-    BY_POINTERS = {}  # the entries above serve both routes
+    del _older, _table, _arch, _class, _entries
+    # the entries above serve both routes, but for that one class under 3.7
+    BY_POINTERS = {"fwd": {(128, "light"): [_cfg(128, 64, 8, 3)]}} if TRITON_VERSION == (3, 7) else {}
 
 _BOTH = {(256, "light"), (256, "heavy")}
 FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
@@ -238,7 +259,8 @@ FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run
 }
 del _BOTH
 DROPOUT_MASK_CONFIG = _cfg(32, 32, 4, 1)  # debug entry point: not tuned
-TILE_MAP_CONFIG = triton.Config({}, num_warps=4, num_stages=1)  # one pass over a mask: not tuned
+# one pass over a mask: not tuned; 4 warps spill 104-264 bytes under Triton 3.7
+TILE_MAP_CONFIG = triton.Config({}, num_warps=8, num_stages=1)
 
 # The interpreter (TRITON_INTERPRET=1, CPU) runs one fixed small configuration: tiles small
 # enough that awkward sizes exercise partial tiles, multi-tile loops and BLOCK_M != BLOCK_N.

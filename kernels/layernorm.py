@@ -120,7 +120,11 @@ class NormConfig:
 # accesses) keeps them at 40-75 registers and 32-48 warps resident per SM; halving the warps
 # doubles the registers and halves the warps in flight. Exceptions, from the same counts:
 # a 16384-wide forward row spills with 32 warps (capped at 64 registers) and fits 16 warps
-# in 128; the backward holds more per element, so it uses twice the forward's warps.
+# in 128, but for Triton 3.8, whose build of it with a residual spills at 16 warps and fits 32;
+# the backward holds more per element, so it uses twice the forward's warps.
+_WIDEST_FWD_WARPS = 32 if triton.__version__.startswith("3.8.") else 16
+
+
 def _fused_config(N: int, backward: bool) -> NormConfig:
     block_n = max(MIN_BLOCK_N, next_power_of_2(N))
     block_m = max(1, TILE_ELEMENTS // block_n)
@@ -128,7 +132,7 @@ def _fused_config(N: int, backward: bool) -> NormConfig:
     if backward:
         num_warps = min(max(tile // 128, 4), 32)
     else:
-        num_warps = min(max(tile // 256, 4), 32 if tile <= 8192 else 16)
+        num_warps = min(max(tile // 256, 4), 32 if tile <= 8192 else _WIDEST_FWD_WARPS)
     return NormConfig(block_m, block_n, num_warps, split=False)
 
 

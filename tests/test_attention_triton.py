@@ -662,7 +662,7 @@ def test_gpu_configurations_cover_every_class():
     """Every (precision, architecture, head-dim class, weight) has a handful of configurations;
     16-bit ones on sm_90 use wgmma, which needs the matmul M dimension (query tile; key tile in
     the transposed dK/dV) >= 64, but for the d256 heavy backward, whose tiles that size spill (dQ;
-    dK/dV under Triton 3.9). fp32 tiles may be smaller (mma.sync, checked by compile-check)."""
+    dK/dV under Triton 3.8 and 3.9). fp32 tiles may be smaller (mma.sync, checked by compile-check)."""
     from fasttrans.kernels._attention_configs import TRITON_VERSION
 
     tables = (K.FWD_CONFIGS, K.BWD_DKDV_CONFIGS, K.BWD_DQ_CONFIGS,
@@ -680,8 +680,8 @@ def test_gpu_configurations_cover_every_class():
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs)
     for cls, cfgs in K.BWD_DQ_CONFIGS["sm_90"].items():  # but d256 heavy, whose 64-row tiles spill
         assert all(c.kwargs["BLOCK_M"] >= 64 for c in cfgs) or cls == (256, "heavy")
-    for cls, cfgs in K.BWD_DKDV_CONFIGS["sm_90"].items():  # likewise, but d256 heavy under Triton 3.9
-        assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs) or (cls == (256, "heavy") and TRITON_VERSION >= (3, 9))
+    for cls, cfgs in K.BWD_DKDV_CONFIGS["sm_90"].items():  # likewise, but d256 heavy under Triton 3.8 and 3.9
+        assert all(c.kwargs["BLOCK_N"] >= 64 for c in cfgs) or (cls == (256, "heavy") and TRITON_VERSION >= (3, 8))
     # the fp32 tables are their own (3xTF32 needs about twice the registers of a 16-bit tile)
     assert K.FWD_CONFIGS_FP32 is not K.FWD_CONFIGS and K.BWD_DQ_CONFIGS_FP32 is not K.BWD_DQ_CONFIGS
     assert K.BWD_DKDV_CONFIGS_FP32 is not K.BWD_DKDV_CONFIGS
@@ -925,7 +925,8 @@ def test_dq_tiles_hold_whole_blocks_of_flags():
     rows = K.EXACT_ROWS.value
     entries = [c for tables in (K.BWD_DQ_CONFIGS, K.BWD_DQ_CONFIGS_FP32) for table in tables.values()
                for cfgs in table.values() for c in cfgs]
-    entries += [c for (name, _, _), cfgs in C.BEFORE_TRITON_3_9.items() if name.startswith("BWD_DQ") for c in cfgs]
+    entries += [c for older in (C.BEFORE_TRITON_3_9, C.TRITON_3_7, C.TRITON_3_8) for (name, _, _), cfgs in older.items()
+                if name.startswith("BWD_DQ") for c in cfgs]
     entries += [c for cfgs in C.BY_POINTERS.get("dq", {}).values() for c in cfgs]
     entries.append(K.INTERPRETER_CONFIGS["dq"])
     assert all(c.kwargs["BLOCK_M"] % rows == 0 for c in entries)
@@ -933,8 +934,9 @@ def test_dq_tiles_hold_whole_blocks_of_flags():
 
 def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
     """Below Triton 3.9 the classes of BEFORE_TRITON_3_9 take its entries (compile-checked with
-    3.6, whose ptxas spills in the 3.9 entries): each names a class of a table, and the dQ
-    tile rule holds for its dQ entries; with 3.9 the tables are unchanged. Both as the module
+    3.6, whose ptxas spills in the 3.9 entries), and under 3.7 and 3.8 those of TRITON_3_7 and
+    TRITON_3_8 on top (compile-checked with each): each names a class of a table, and
+    the dQ tile rule holds for its dQ entries; with 3.9 the tables are unchanged. As the module
     reads them under each version, whichever Triton is installed."""
     import importlib.util
 
@@ -961,11 +963,25 @@ def test_tables_before_triton_3_9_replace_classes_that_exist(monkeypatch):
             rows = "BLOCK_N" if table == "BWD_DKDV_CONFIGS" else "BLOCK_M"
             if all(e.kwargs[rows] >= 64 for e in getattr(C, table)[arch][cls]):
                 assert all(e.kwargs[rows] >= 64 for e in entries), (table, cls)
-    changed = {(t, a, c) for t in ("FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32",
-                                   "BWD_DQ_CONFIGS", "BWD_DQ_CONFIGS_FP32")
-               for a, classes in getattr(C, t).items() for c in classes
-               if getattr(C, t)[a][c] != getattr(old, t)[a][c]}
-    assert changed == set(C.BEFORE_TRITON_3_9)
+    tables = ("FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS",
+              "BWD_DQ_CONFIGS_FP32")
+
+    def changed(a, b):
+        return {(t, arch, c) for t in tables for arch, classes in getattr(a, t).items() for c in classes
+                if getattr(a, t)[arch][c] != getattr(b, t)[arch][c]}
+
+    assert changed(C, old) == set(C.BEFORE_TRITON_3_9)
+    assert old.BY_POINTERS == {} and C.BY_POINTERS
+    # 3.7 and 3.8: 3.6's tables with the classes of their own replaced; 3.7 has a pointer route
+    # of its own for the d128 light forward
+    for version, own in (("3.7.1", C.TRITON_3_7), ("3.8.0", C.TRITON_3_8)):
+        newer = as_on(version)
+        assert changed(newer, old) == set(own), version
+        for (table, arch, cls), entries in own.items():
+            assert entries and all(isinstance(e, triton.Config) for e in entries)
+            assert getattr(newer, table)[arch][cls] == entries
+    assert set(as_on("3.7.1").BY_POINTERS) == {"fwd"} and set(as_on("3.7.1").BY_POINTERS["fwd"]) == {(128, "light")}
+    assert as_on("3.8.0").BY_POINTERS == {}
 
 
 def test_fp32_ieee_classes_are_the_large_head_dims():

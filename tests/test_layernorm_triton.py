@@ -333,6 +333,27 @@ def test_compile_targets_cover_every_launch():
                        and t["num_warps"] == red.num_warps for t in targets), (N, dtype, red)
 
 
+def test_widest_forward_warps_follow_the_triton_version(monkeypatch):
+    """The 16384-wide forward takes 16 warps, 32 under Triton 3.8 (whose build of it with a
+    residual spills at 16: compile-check), as the module reads it under each version."""
+    import importlib.util
+    import sys
+
+    import triton
+
+    def warps_on(version: str) -> int:
+        monkeypatch.setattr(triton, "__version__", version)
+        name = f"fasttrans.kernels._layernorm_as_on_{version.replace('.', '_')}"
+        spec = importlib.util.spec_from_file_location(name, K.__file__)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        return module.fwd_config(16384).num_warps, module.fwd_config(8192).num_warps
+
+    assert warps_on("3.6.0") == warps_on("3.7.1") == warps_on("3.9.0") == (16, 32)
+    assert warps_on("3.8.0") == (32, 32)
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA: the same checks on larger shapes (pytest -m gpu)
 # ---------------------------------------------------------------------------------------
