@@ -33,7 +33,7 @@ launches = []
 # CudaLauncher.__call__. The launch metadata and hooks are left out: the public route always
 # passes Triton's (empty) hook chains, plans pass None while no hook is installed.
 minor = ".".join(triton.__version__.split(".")[:2])
-unhooked = (10, 11, 12) if minor == "3.6" else (8, 9, 10)  # 3.7 on: (metadata, hooks, scratch, ...)
+unhooked = (10, 11, 12) if minor == "3.6" else (8, 9, 10)  # launch metadata and the two hooks
 real_init = nvidia.CudaLauncher.__init__
 
 
