@@ -416,7 +416,7 @@ def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
         (op, provider, variant) for op in ("BertForMaskedLM", "LlamaForCausalLM")
         for provider, variant in (("fasttrans-extension", ""), ("torch", "sdpa"), ("torch", "eager"))
     } | {(op, "fasttrans-extension", "unpad") for op in ("BertForMaskedLM", "LlamaForCausalLM")}
-    assert len(hf) == 14  # BERT 4, Llama's unpadded and padded steps 3 + 4, generate 3
+    assert len(hf) == 18  # BERT's two depths 4 + 4, Llama's unpadded and padded steps 3 + 4, generate 3
     # every family the integration is tested on, its fasttrans copy checked against sdpa's logits
     families = sorted((r["op"], r["provider"], r["variant"]) for r in rows if r["sweep"] == "hf-families")
     assert families == sorted([(f, p, v) for f in ("bert", "bart", "marian", "t5", "gpt2", "llama")
