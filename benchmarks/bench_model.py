@@ -251,8 +251,8 @@ def decode_entries(bench: common.Bench, new_tokens: int) -> list[Entry]:
 # Hugging Face transformers models (the hf sweep)
 # --------------------------------------------------------------------------------------
 HF_BERT = types.SimpleNamespace(name="bert", vocab=30522, hidden=768, heads=12, kv_heads=12, ffn=3072, layers=4)
-# BERT-base's own depth: with 4 layers the shared vocabulary-sized GEMMs and their AdamW
-# update are a third of the step; with 12, the encoder is most of it, as in BERT-base
+# BERT-base's own depth: with 4 layers, work the same on both sides (the vocabulary-sized
+# gradients and their AdamW update) weighs more in the step than it does in BERT-base
 HF_BERT_BASE = types.SimpleNamespace(**{**vars(HF_BERT), "layers": 12})
 HF_LLAMA = types.SimpleNamespace(name="llama", vocab=32000, hidden=512, heads=8, kv_heads=4, ffn=1376, layers=4)
 HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4, kv_heads=4, ffn=128, layers=1)
