@@ -156,6 +156,75 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
     _close_grads(got_grads, want_grads)
 
 
+# More families whose attention goes through transformers' attention interface, built from
+# their default configs shrunk to a few dozen dimensions: the function must honour each one's
+# masks, scaling and head layout (partial rotary, QK norms, local layers, GQA), and apply()
+# must leave only norms that compute something else. Mixture-of-experts families are left
+# out: a router's near-tie could pick another expert on rounding alone.
+_MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_text", "cohere", "olmo", "olmo2",
+                  "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
+                  "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium"]
+_MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
+# the norms apply() reports and leaves, by class: (1 + weight) * x / rms(x), a layer norm
+# without a bias, and a norm without a weight
+_NORMS_KEPT = {"gemma": {"GemmaRMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"}, "cohere": {"CohereLayerNorm"},
+               "olmo": {"OlmoLayerNorm"}}
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
+              n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
+              global_attn_every_n_layers=2, local_attention=4, initializer_range=0.3)
+
+
+def _small_model(family: str, causal: bool):
+    config = transformers.AutoConfig.for_model(family)
+    for name, value in _SMALL.items():
+        if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property):
+            setattr(config, name, value)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:config.num_hidden_layers]
+    config.pad_token_id = 0
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModelForMaskedLM
+    return auto.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family, causal", [pytest.param(f, True, id=f) for f in _MORE_DECODERS]
+                         + [pytest.param(f, False, id=f) for f in _MORE_ENCODERS])
+def test_more_families_match_eager(family, causal, one_thread):
+    """Logits at the real tokens and every gradient, left padding for the causal models and
+    right padding for the encoders, on the extension."""
+    model = _small_model(family, causal)
+    twin, skipped = ftt.apply(copy.deepcopy(model))
+    kept = _NORMS_KEPT.get(family, set())
+    assert {why.split(":")[0] for _, why in skipped} == kept, skipped
+    norms_left = {type(m).__name__ for m in twin.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+                  and not type(m).__module__.startswith("fasttrans")}
+    assert norms_left == kept
+    assert twin.config._attn_implementation == "fasttrans"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, L), generator=g)
+    pad = torch.zeros(B, L, dtype=torch.long)
+    for b, n in enumerate(LENGTHS):
+        if causal:
+            pad[b, L - n:] = 1
+        else:
+            pad[b, :n] = 1
+    kw = dict(input_ids=ids.masked_fill(pad == 0, 0), attention_mask=pad)
+    want, want_grads = _forward_backward(model, kw, pad.bool())
+    with fasttrans.use_backend("extension"):
+        got, got_grads = _forward_backward(twin, kw, pad.bool())
+    _close(got, want, "logits")
+    _close_grads(got_grads, want_grads)
+
+
+def test_soft_capped_attention_raises_naming_softcap():
+    """Gemma 2 caps its attention logits, which the kernels do not compute: its forward
+    raises instead of returning other numbers."""
+    twin, _ = ftt.apply(_small_model("gemma2", causal=True))
+    with pytest.raises(ValueError, match="softcap"):
+        twin(input_ids=torch.randint(3, V, (B, L)))
+
+
 def _farther(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Whichever of a and b is farther from ref (max abs difference)."""
     return a if (a.double() - ref.double()).abs().max() >= (b.double() - ref.double()).abs().max() else b
