@@ -165,10 +165,9 @@ _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_t
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium"]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
-# the norms apply() reports and leaves, by class: (1 + weight) * x / rms(x), a layer norm
-# without a bias, and a norm without a weight
-_NORMS_KEPT = {"gemma": {"GemmaRMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"}, "cohere": {"CohereLayerNorm"},
-               "olmo": {"OlmoLayerNorm"}}
+# the norms apply() reports and leaves, by class: (1 + weight) * x / rms(x), and a norm
+# without a weight
+_NORMS_KEPT = {"gemma": {"GemmaRMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"}, "olmo": {"OlmoLayerNorm"}}
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
@@ -474,6 +473,27 @@ def test_rms_norm_matches_llama_and_t5_norms_in_half_precision():
             # one rounding to the input's dtype apart (the module rounds before the weight product)
             tol = 2 * torch.finfo(dtype).eps
             torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_layer_norm_without_bias_matches_cohere_norm_in_every_precision():
+    """Cohere's layer norm (a weight, no bias) becomes fasttrans's LayerNorm: its numbers, the
+    input's dtype out (also with fp32 weights), the same Parameter."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    for dtype, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                          (torch.float16, torch.float32), (torch.float32, torch.float32)):
+        hf = CohereLayerNorm(64, eps=1e-5).to(wdtype)
+        with torch.no_grad():
+            hf.weight.normal_()
+        x = (torch.randn(5, 64) + 2).to(dtype)
+        holder = torch.nn.Sequential(hf)
+        _, skipped = ftt.apply(holder, attention=False)
+        assert skipped == [] and isinstance(holder[0], ftt.LayerNorm) and holder[0].weight is hf.weight
+        assert holder[0].variance_epsilon == 1e-5 and holder[0].bias is None
+        want, got = hf(x), holder[0](x)
+        assert got.dtype == want.dtype == dtype
+        tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 def test_apply_skips_gemma_norms_and_says_why():

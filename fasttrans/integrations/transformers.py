@@ -37,9 +37,10 @@ that path.
 
 ``apply(model)`` replaces transformers' RMSNorm classes that compute
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
-:class:`RMSNorm`, and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the
-Parameter objects and state_dict keys; norms that compute something else (Gemma's
-``(1 + weight)``) are reported, not replaced. docs/integrations.md has the details.
+:class:`RMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`, and
+``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the Parameter objects and
+state_dict keys; norms that compute something else (Gemma's ``(1 + weight)``) are reported,
+not replaced. docs/integrations.md has the details.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from .. import nn as ftnn
 from ..nn import mask_translation
 
 __all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
-           "RMSNorm"]
+           "RMSNorm", "LayerNorm"]
 
 NAME = "fasttrans"
 SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
@@ -379,6 +380,31 @@ class RMSNorm(ftnn.RMSNorm):
         return out if w is None else out.to(torch.promote_types(x.dtype, w.dtype))
 
 
+class LayerNorm(ftnn.LayerNorm):
+    """``fasttrans.nn.LayerNorm`` without a bias in the place of a transformers layer norm that
+    has a weight alone (``CohereLayerNorm``): the same ``weight`` Parameter and state_dict, the
+    eps also as ``variance_epsilon``, and the output in the input's dtype, as those modules
+    return it; the statistics accumulate in fp32, as theirs do."""
+
+    def __init__(self, hidden: int, eps: float, device=None, dtype=None):
+        super().__init__(hidden, eps=eps, bias=False, device=device, dtype=dtype)
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
+            return super().forward(x).to(x.dtype)
+        dtype = torch.promote_types(x.dtype, w.dtype)  # a weight the kernels do not pair with x's dtype
+        return FT.layer_norm(x.to(dtype), self.normalized_shape, w.to(dtype), None, self.eps).to(x.dtype)
+
+
 def _rms_norm_eps(m: nn.Module) -> tuple[float | None, str | None]:
     """(eps, None) for a transformers norm that may compute weight * x / rms(x), else (None, why)."""
     own_params = {n for n, p in m._parameters.items() if p is not None}
@@ -398,10 +424,11 @@ def _rms_norm_eps(m: nn.Module) -> tuple[float | None, str | None]:
     return float(eps), None
 
 
-def _behaves_as_rms_norm(m: nn.Module, eps: float) -> str | None:
-    """None when m's forward computes weight * x / sqrt(mean(x^2) + eps) on a probe; else why not.
-    The probe has a row whose mean square is near eps (where eps is added shows) and one
-    far from zero mean (a mean subtraction shows)."""
+def _behaves_as_rms_norm(m: nn.Module, eps: float, centred: bool = False) -> str | None:
+    """None when m's forward computes weight * x / sqrt(mean(x^2) + eps) on a probe (with
+    ``centred``: weight * (x - mean) / sqrt(var + eps), a layer norm without a bias); else
+    why not. The probe has a row whose mean square is near eps (where eps is added shows)
+    and one far from zero mean (a mean subtraction shows)."""
     w = m.weight
     n = w.shape[0]
     g = torch.Generator().manual_seed(0)  # leaves torch's global generator alone
@@ -415,14 +442,23 @@ def _behaves_as_rms_norm(m: nn.Module, eps: float) -> str | None:
         except Exception as e:  # a forward that cannot take this probe is not the one assumed
             return f"its forward failed on a probe ({type(e).__name__}: {e})"
         x64 = xd.double()
+        if centred:
+            x64 = x64 - x64.mean(-1, keepdim=True)
         want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
     # fp32 arithmetic, rounded once more to the weight's dtype where the module does that
     tol = 8 * max(torch.finfo(torch.float32).eps, torch.finfo(w.dtype).eps if w.dtype.is_floating_point else 0)
-    err = ((got - want).abs() / (want.abs() + tol)).max().item()
-    if got.shape != want.shape or not err <= tol:
-        return (f"its output differs from weight * x / sqrt(mean(x^2) + eps) (relative error {err:.2g} on a "
-                "probe): a different formula, such as Gemma's x / rms(x) * (1 + weight), which fasttrans.rms_norm "
-                "does not compute")
+    if got.shape != want.shape:
+        err = float("inf")
+    elif centred:  # x - mean rounds to eps * |x|: measured against each row's largest value, 4x the bound
+        err = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+        tol *= 4
+    else:
+        err = ((got - want).abs() / (want.abs() + tol)).max().item()
+    if not err <= tol:
+        formula = ("weight * x / sqrt(mean(x^2) + eps) and from weight * (x - mean) / sqrt(var + eps)" if centred
+                   else "weight * x / sqrt(mean(x^2) + eps)")
+        return (f"its output differs from {formula} (relative error {err:.2g} on a probe): a different formula, "
+                "such as Gemma's x / rms(x) * (1 + weight), which neither fasttrans.rms_norm nor layer_norm computes")
     return None
 
 
@@ -441,11 +477,13 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
             new = child
             if conversion.is_transformers_norm(child):
                 eps, why = _rms_norm_eps(child)
-                why = why or _behaves_as_rms_norm(child, eps)
+                kind = RMSNorm
+                if why is None and _behaves_as_rms_norm(child, eps) is not None:
+                    kind, why = LayerNorm, _behaves_as_rms_norm(child, eps, centred=True)
                 if why:
                     skipped.append((path, f"{type(child).__name__}: {why}"))
                 else:
-                    new = RMSNorm(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
+                    new = kind(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
                     new.register_parameter("weight", child.weight)  # the same Parameter object
                     new.training = child.training
             done[id(child)] = new
