@@ -200,18 +200,11 @@ def test_more_families_match_eager(family, causal, one_thread):
                   and not type(m).__module__.startswith("fasttrans")}
     assert norms_left == kept
     assert twin.config._attn_implementation == "fasttrans"
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (B, L), generator=g)
-    pad = torch.zeros(B, L, dtype=torch.long)
-    for b, n in enumerate(LENGTHS):
-        if causal:
-            pad[b, L - n:] = 1
-        else:
-            pad[b, :n] = 1
-    kw = dict(input_ids=ids.masked_fill(pad == 0, 0), attention_mask=pad)
-    want, want_grads = _forward_backward(model, kw, pad.bool())
+    kw, _ = _inputs(family, left=causal)
+    seen = kw["attention_mask"].bool()
+    want, want_grads = _forward_backward(model, kw, seen)
     with fasttrans.use_backend("extension"):
-        got, got_grads = _forward_backward(twin, kw, pad.bool())
+        got, got_grads = _forward_backward(twin, kw, seen)
     _close(got, want, "logits")
     _close_grads(got_grads, want_grads)
 

@@ -356,11 +356,8 @@ def attention_forward(
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class RMSNorm(ftnn.RMSNorm):
-    """``fasttrans.nn.RMSNorm`` in the place of a transformers RMSNorm (``LlamaRMSNorm``,
-    ``T5LayerNorm``, ...): the same ``weight`` Parameter and state_dict, the eps also as
-    ``variance_epsilon``, and the output dtype those modules return (the promotion of the
-    input's and the weight's dtypes); the statistics accumulate in fp32, as theirs do."""
+class _VarianceEpsilon:
+    """``variance_epsilon``, the name transformers' norms give their eps, for ``eps``."""
 
     @property
     def variance_epsilon(self) -> float:
@@ -369,6 +366,13 @@ class RMSNorm(ftnn.RMSNorm):
     @variance_epsilon.setter
     def variance_epsilon(self, value: float) -> None:
         self.eps = value
+
+
+class RMSNorm(_VarianceEpsilon, ftnn.RMSNorm):
+    """``fasttrans.nn.RMSNorm`` in the place of a transformers RMSNorm (``LlamaRMSNorm``,
+    ``T5LayerNorm``, ...): the same ``weight`` Parameter and state_dict, the eps also as
+    ``variance_epsilon``, and the output dtype those modules return (the promotion of the
+    input's and the weight's dtypes); the statistics accumulate in fp32, as theirs do."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -380,7 +384,7 @@ class RMSNorm(ftnn.RMSNorm):
         return out if w is None else out.to(torch.promote_types(x.dtype, w.dtype))
 
 
-class LayerNorm(ftnn.LayerNorm):
+class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
     """``fasttrans.nn.LayerNorm`` without a bias in the place of a transformers layer norm that
     has a weight alone (``CohereLayerNorm``): the same ``weight`` Parameter and state_dict, the
     eps also as ``variance_epsilon``, and the output in the input's dtype, as those modules
@@ -388,14 +392,6 @@ class LayerNorm(ftnn.LayerNorm):
 
     def __init__(self, hidden: int, eps: float, device=None, dtype=None):
         super().__init__(hidden, eps=eps, bias=False, device=device, dtype=dtype)
-
-    @property
-    def variance_epsilon(self) -> float:
-        return self.eps
-
-    @variance_epsilon.setter
-    def variance_epsilon(self, value: float) -> None:
-        self.eps = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
