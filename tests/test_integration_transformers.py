@@ -165,9 +165,8 @@ _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_t
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium"]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
-# the norms apply() reports and leaves, by class: (1 + weight) * x / rms(x), and a norm
-# without a weight
-_NORMS_KEPT = {"gemma": {"GemmaRMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"}, "olmo": {"OlmoLayerNorm"}}
+# the norms apply() reports and leaves, by class: a norm without a weight
+_NORMS_KEPT = {"olmo": {"OlmoLayerNorm"}}
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
@@ -489,31 +488,81 @@ def test_layer_norm_without_bias_matches_cohere_norm_in_every_precision():
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-def test_apply_skips_gemma_norms_and_says_why():
-    cfg = transformers.GemmaConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = transformers.GemmaForCausalLM(cfg).eval()
-    with pytest.warns(UserWarning, match="Gemma"):
-        model, skipped = ftt.apply(model)
-    norms = [(n, why) for n, why in skipped if "norm" in n]
-    assert len(norms) == 3 and all("(1 + weight)" in why for _, why in norms)
-    assert all(type(m).__name__ == "GemmaRMSNorm" for m in model.modules() if "RMSNorm" in type(m).__name__)
+def test_offset_rms_norm_matches_gemma_norm_in_every_precision():
+    """Gemma's (1 + weight) RMS norm becomes fasttrans's OffsetRMSNorm: its numbers and
+    gradients, the input's dtype out (also with fp32 weights), the same Parameter."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    for dtype, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                          (torch.float16, torch.float32), (torch.float32, torch.float32),
+                          (torch.float32, torch.bfloat16), (torch.float64, torch.float64)):
+        hf = GemmaRMSNorm(64, eps=1e-6).to(wdtype)
+        with torch.no_grad():
+            hf.weight.normal_()
+        holder = torch.nn.Sequential(hf)
+        _, skipped = ftt.apply(holder, attention=False)
+        assert skipped == [] and isinstance(holder[0], ftt.OffsetRMSNorm) and holder[0].weight is hf.weight
+        assert holder[0].variance_epsilon == 1e-6 and holder[0].offset == 1.0
+        x = (torch.randn(5, 64) + 2).to(dtype).requires_grad_()
+        dy = torch.randn(5, 64).to(dtype)
+        want = hf(x)
+        want_dx, want_dw = torch.autograd.grad(want, (x, hf.weight), dy)
+        got = holder[0](x)
+        got_dx, got_dw = torch.autograd.grad(got, (x, hf.weight), dy)
+        assert got.dtype == want.dtype == dtype and got_dw.dtype == wdtype
+        # both compute in fp32 (whatever the input) and round once to dtype
+        tol = 2 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+        for g, w, what in ((got, want, "out"), (got_dx, want_dx, "dx"), (got_dw, want_dw, "dweight")):
+            wtol = max(tol, 2 * torch.finfo(w.dtype).eps)
+            torch.testing.assert_close(g, w, rtol=wtol, atol=wtol * w.abs().max().item(),
+                                       msg=lambda m, what=what, dtype=dtype: f"{what} ({dtype}): {m}")
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+class _HalfRMSNorm(torch.nn.Module):
+    """A norm formula none of fasttrans's computes: weight * x / (2 rms(x))."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) / 2
+
+
+_HalfRMSNorm.__module__ = "transformers.models.half.modeling_half"  # what apply() takes for transformers'
+
+
+def test_apply_skips_a_norm_of_another_formula_and_says_why():
+    holder = torch.nn.Sequential(_HalfRMSNorm(16))
+    with pytest.warns(UserWarning, match="_HalfRMSNorm"):
+        _, skipped = ftt.apply(holder, attention=False)
+    assert len(skipped) == 1 and type(holder[0]) is _HalfRMSNorm
+    name, why = skipped[0]
+    assert name == "0" and "none of fasttrans's norms" in why
+    assert "weight * x /" in why and "(1 + weight) * x /" in why and "weight * (x - mean) /" in why
+
+
+@pytest.mark.parametrize("family", ["llama", "t5", "gemma"])
 def test_norms_are_replaced_while_loading(family, tmp_path):
-    """replacing_norms(): models built inside get fasttrans's RMSNorm from the start, with
-    the same state_dict and numbers as transformers' norms; nothing stays patched after."""
+    """replacing_norms(): models built inside get fasttrans's RMSNorm (Gemma's: OffsetRMSNorm)
+    from the start, with the same state_dict and numbers as transformers' norms; nothing
+    stays patched after."""
     auto = transformers.AutoModelForSeq2SeqLM if family in ENC_DEC else transformers.AutoModelForCausalLM
+    config = _small_model(family, causal=True).config if family == "gemma" else _config(family)
+    kind = ftt.OffsetRMSNorm if family == "gemma" else ftt.RMSNorm
     torch.manual_seed(0)
-    plain = auto.from_config(_config(family)).eval()
+    plain = auto.from_config(config).eval()
+    with torch.no_grad():  # weights other than a fresh norm's, so that the state_dict must carry them
+        for n, p in plain.named_parameters():
+            if "norm" in n:
+                p.normal_()
     with ftt.replacing_norms() as names:
-        assert {"LlamaRMSNorm", "T5LayerNorm"} <= set(names) and "GemmaRMSNorm" not in names
-        built = auto.from_config(_config(family)).eval()
+        assert {"LlamaRMSNorm", "T5LayerNorm", "GemmaRMSNorm", "Gemma3RMSNorm"} <= set(names)
+        built = auto.from_config(config).eval()
     assert transformers.monkey_patching.get_patch_mapping() == {}
     norms = [m for m in built.modules() if "Norm" in type(m).__name__]
-    assert norms and all(type(m) is ftt.RMSNorm for m in norms)
+    assert norms and all(type(m) is kind for m in norms)
     assert list(built.state_dict()) == list(plain.state_dict())
     built.load_state_dict(plain.state_dict())
     kw, _ = _inputs(family, left=False)
@@ -522,8 +571,8 @@ def test_norms_are_replaced_while_loading(family, tmp_path):
         _close(built(**kw).logits, want, "logits", scale=want.abs().max().item())
     built.save_pretrained(tmp_path)
     with ftt.replacing_norms():
-        loaded = auto.from_pretrained(tmp_path).eval()
-    assert all(type(m) is ftt.RMSNorm for m in loaded.modules() if "Norm" in type(m).__name__)
+        loaded = auto.from_pretrained(tmp_path, attn_implementation=built.config._attn_implementation).eval()
+    assert all(type(m) is kind for m in loaded.modules() if "Norm" in type(m).__name__)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**kw).logits, built(**kw).logits, rtol=0, atol=0)
 

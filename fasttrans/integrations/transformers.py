@@ -37,10 +37,11 @@ that path.
 
 ``apply(model)`` replaces transformers' RMSNorm classes that compute
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
-:class:`RMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`, and
-``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the Parameter objects and
-state_dict keys; norms that compute something else (Gemma's ``(1 + weight)``) are reported,
-not replaced. docs/integrations.md has the details.
+:class:`RMSNorm`, those that compute ``(1 + weight) * x / rms(x)`` (Gemma's) with
+:class:`OffsetRMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`,
+and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the Parameter objects and
+state_dict keys; norms that compute something else are reported, not replaced.
+docs/integrations.md has the details.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ from .. import conversion
 from .. import functional as FT
 from .. import nn as ftnn
 from ..nn import mask_translation
+from ..nn._pinning import pinnable
 
 __all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
-           "RMSNorm", "LayerNorm"]
+           "RMSNorm", "OffsetRMSNorm", "LayerNorm"]
 
 NAME = "fasttrans"
 SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
@@ -374,6 +376,7 @@ class RMSNorm(_VarianceEpsilon, ftnn.RMSNorm):
     ``variance_epsilon``, and the output dtype those modules return (the promotion of the
     input's and the weight's dtypes); the statistics accumulate in fp32, as theirs do."""
 
+    @pinnable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w is None or w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
@@ -382,6 +385,32 @@ class RMSNorm(_VarianceEpsilon, ftnn.RMSNorm):
             dtype = torch.promote_types(x.dtype, w.dtype)
             out = FT.rms_norm(x.to(dtype), self.normalized_shape, w.to(dtype), self.eps)
         return out if w is None else out.to(torch.promote_types(x.dtype, w.dtype))
+
+
+class OffsetRMSNorm(_VarianceEpsilon, ftnn.RMSNorm):
+    """``fasttrans.nn.RMSNorm`` scaled by ``offset + weight`` in the place of a transformers
+    RMS norm that stores its scale minus one (Gemma's ``GemmaRMSNorm``, ``offset`` 1, weight
+    initialised to zeros): the same ``weight`` Parameter and state_dict, the eps also as
+    ``variance_epsilon``, and what those modules compute: the statistics and the product
+    with ``offset + weight`` in fp32, one rounding to the input's dtype at the end."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-6, offset: float = 1.0, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
+        self.offset = float(offset)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)  # a scale of offset, as a fresh Gemma norm has
+
+    @pinnable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the sum in fp32, as Gemma's: a bf16 weight plus one would round to 8 bits
+        scale = self.weight.float() + self.offset
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:  # Gemma's computes in fp32 whatever x is
+            return FT.rms_norm(x.float(), self.normalized_shape, scale, self.eps).to(x.dtype)
+        return FT.rms_norm(x, self.normalized_shape, scale, self.eps)  # half x, fp32 scale: fp32 products
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, offset={self.offset}"
 
 
 class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
@@ -393,6 +422,7 @@ class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
     def __init__(self, hidden: int, eps: float, device=None, dtype=None):
         super().__init__(hidden, eps=eps, bias=False, device=device, dtype=dtype)
 
+    @pinnable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
@@ -420,11 +450,20 @@ def _rms_norm_eps(m: nn.Module) -> tuple[float | None, str | None]:
     return float(eps), None
 
 
-def _behaves_as_rms_norm(m: nn.Module, eps: float, centred: bool = False) -> str | None:
-    """None when m's forward computes weight * x / sqrt(mean(x^2) + eps) on a probe (with
-    ``centred``: weight * (x - mean) / sqrt(var + eps), a layer norm without a bias); else
-    why not. The probe has a row whose mean square is near eps (where eps is added shows)
-    and one far from zero mean (a mean subtraction shows)."""
+# What a transformers norm with a 1-D weight may compute, as the probe checks it: formula
+# name -> its text in reasons. Each has a fasttrans replacement (_norm_replacement).
+_FORMULAS = {
+    "rms": "weight * x / sqrt(mean(x^2) + eps)",
+    "offset": "(1 + weight) * x / sqrt(mean(x^2) + eps)",
+    "centred": "weight * (x - mean) / sqrt(var + eps)",
+}
+
+
+def _probe_error(m: nn.Module, eps: float, formula: str) -> float | str:
+    """How far m's forward is from ``formula`` (a key of _FORMULAS) on a probe, as a multiple
+    of the tolerance (at most 1: it computes that formula), or why the probe could not run.
+    The probe has a row whose mean square is near eps (where eps is added shows) and one far
+    from zero mean (a mean subtraction shows)."""
     w = m.weight
     n = w.shape[0]
     g = torch.Generator().manual_seed(0)  # leaves torch's global generator alone
@@ -438,24 +477,40 @@ def _behaves_as_rms_norm(m: nn.Module, eps: float, centred: bool = False) -> str
         except Exception as e:  # a forward that cannot take this probe is not the one assumed
             return f"its forward failed on a probe ({type(e).__name__}: {e})"
         x64 = xd.double()
-        if centred:
+        if formula == "centred":
             x64 = x64 - x64.mean(-1, keepdim=True)
-        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        offset = 1.0 if formula == "offset" else 0.0
+        normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+        want = normed * (w.double() + offset)
+        # the scale of each element, against which its rounding is measured: offset + weight
+        # may cancel to nearly zero, after the weight was rounded at the offset's scale
+        size = normed.abs() * (w.double().abs() + offset)
     # fp32 arithmetic, rounded once more to the weight's dtype where the module does that
     tol = 8 * max(torch.finfo(torch.float32).eps, torch.finfo(w.dtype).eps if w.dtype.is_floating_point else 0)
     if got.shape != want.shape:
-        err = float("inf")
-    elif centred:  # x - mean rounds to eps * |x|: measured against each row's largest value, 4x the bound
-        err = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
-        tol *= 4
-    else:
-        err = ((got - want).abs() / (want.abs() + tol)).max().item()
-    if not err <= tol:
-        formula = ("weight * x / sqrt(mean(x^2) + eps) and from weight * (x - mean) / sqrt(var + eps)" if centred
-                   else "weight * x / sqrt(mean(x^2) + eps)")
-        return (f"its output differs from {formula} (relative error {err:.2g} on a probe): a different formula, "
-                "such as Gemma's x / rms(x) * (1 + weight), which neither fasttrans.rms_norm nor layer_norm computes")
-    return None
+        return float("inf")
+    if formula == "centred":  # x - mean rounds to eps * |x|: measured against each row's largest value, 4x the bound
+        return ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item() / (4 * tol)
+    return ((got - want).abs() / (size + tol)).max().item() / tol
+
+
+def _norm_replacement(m: nn.Module) -> tuple[type | None, float | None, str | None]:
+    """(the fasttrans class computing what the transformers norm m computes, its eps, None),
+    or (None, None, why m cannot be replaced)."""
+    eps, why = _rms_norm_eps(m)
+    if why is not None:
+        return None, None, why
+    errors = {}
+    for kind, formula in ((RMSNorm, "rms"), (OffsetRMSNorm, "offset"), (LayerNorm, "centred")):
+        err = _probe_error(m, eps, formula)
+        if isinstance(err, str):
+            return None, None, err
+        if err <= 1:
+            return kind, eps, None
+        errors[formula] = err
+    return None, None, ("its output differs on a probe from " + ", ".join(
+        f"{_FORMULAS[f]} ({e:.2g}x the tolerance)" for f, e in errors.items())
+        + ": a formula none of fasttrans's norms computes")
 
 
 def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
@@ -472,10 +527,7 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                 continue
             new = child
             if conversion.is_transformers_norm(child):
-                eps, why = _rms_norm_eps(child)
-                kind = RMSNorm
-                if why is None and _behaves_as_rms_norm(child, eps) is not None:
-                    kind, why = LayerNorm, _behaves_as_rms_norm(child, eps, centred=True)
+                kind, eps, why = _norm_replacement(child)
                 if why:
                     skipped.append((path, f"{type(child).__name__}: {why}"))
                 else:
@@ -496,7 +548,9 @@ def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
           dropout: bool = True) -> tuple[nn.Module, list[tuple[str, str]]]:
     """Move an existing transformers model onto fasttrans, in place.
 
-    Replaces its RMS norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm` and its
+    Replaces its norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm`, ``(1 +
+    weight) * x / rms(x)`` (Gemma's) with :class:`OffsetRMSNorm` and ``weight * (x - mean) /
+    sqrt(var + eps)`` (Cohere's) with :class:`LayerNorm`, each checked on a probe first, and its
     ``torch.nn.LayerNorm`` modules with ``fasttrans.nn.LayerNorm`` (``fasttrans.convert``),
     keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
     ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
@@ -799,15 +853,17 @@ _NORM_CLASSES = (
     ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeRMSNorm"), ("phi3.modeling_phi3", "Phi3RMSNorm"),
     ("granite.modeling_granite", "GraniteRMSNorm"), ("olmo2.modeling_olmo2", "Olmo2RMSNorm"),
     ("t5.modeling_t5", "T5LayerNorm"), ("mt5.modeling_mt5", "MT5LayerNorm"),
-    ("gemma.modeling_gemma", "GemmaRMSNorm"),  # (1 + weight): the probe leaves it out
+    ("gemma.modeling_gemma", "GemmaRMSNorm"), ("gemma2.modeling_gemma2", "Gemma2RMSNorm"),
+    ("gemma3.modeling_gemma3", "Gemma3RMSNorm"),
 )
 
 
 @functools.lru_cache(maxsize=1)
 def _replaceable_norm_classes() -> dict[str, type]:
-    """{class name: RMSNorm} for the classes of _NORM_CLASSES this transformers has whose
-    forward computes weight * x / rms(x) on a probe (a fresh instance with a random weight);
-    probed once per process (importing the model modules is the slow part)."""
+    """{class name: its fasttrans replacement} for the classes of _NORM_CLASSES this
+    transformers has whose forward computes what one of fasttrans's norms does on a probe (a
+    fresh instance with a random weight); probed once per process (importing the model
+    modules is the slow part)."""
     mapping = {}
     for module_name, class_name in _NORM_CLASSES:
         try:
@@ -817,19 +873,20 @@ def _replaceable_norm_classes() -> dict[str, type]:
         probe = cls(16, eps=1e-6)
         with torch.no_grad():
             probe.weight.copy_(torch.linspace(0.5, 1.5, 16))
-        eps, why = _rms_norm_eps(probe)
-        if why is None and _behaves_as_rms_norm(probe, eps) is None:
-            mapping[class_name] = RMSNorm
+        kind, _, why = _norm_replacement(probe)
+        if why is None:
+            mapping[class_name] = kind
     return mapping
 
 
 @contextlib.contextmanager
 def replacing_norms() -> Iterator[list[str]]:
     """Models built inside (``from_pretrained``, ``from_config``) get :class:`RMSNorm` in the
-    place of transformers' RMS norms, through transformers' ``register_patch_mapping``; the
-    mapping is removed on exit. Yields the class names it maps. Only classes whose forward
-    was checked on a probe to compute ``weight * x / rms(x)`` are mapped (Gemma's ``(1 +
-    weight)`` is not); ``torch.nn.LayerNorm`` and models built earlier need :func:`apply`.
+    place of transformers' RMS norms and :class:`OffsetRMSNorm` in the place of Gemma's,
+    through transformers' ``register_patch_mapping``; the mapping is removed on exit. Yields
+    the class names it maps. Only classes whose forward was checked on a probe to compute
+    ``weight * x / rms(x)`` or ``(1 + weight) * x / rms(x)`` are mapped;
+    ``torch.nn.LayerNorm`` and models built earlier need :func:`apply`.
 
         with ftt.replacing_norms():
             model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fasttrans")
