@@ -159,11 +159,13 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
 # More families whose attention goes through transformers' attention interface, built from
 # their default configs shrunk to a few dozen dimensions: the function must honour each one's
 # masks, scaling and head layout (partial rotary, QK norms, local layers, GQA), and apply()
-# must leave only norms that compute something else. Mixture-of-experts families are left
-# out: a router's near-tie could pick another expert on rounding alone.
+# must leave only norms that compute something else.
+_MOE_DECODERS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "minimax",
+                 "ernie4_5_moe", "hunyuan_v1_moe"]
 _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_text", "cohere", "olmo", "olmo2",
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
-                  "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium"]
+                  "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium",
+                  *_MOE_DECODERS]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
 # the norms apply() reports and leaves, by class: a norm without a weight
 _NORMS_KEPT = {"olmo": {"OlmoLayerNorm"}}
@@ -171,13 +173,24 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_ke
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
               global_attn_every_n_layers=2, local_attention=4, initializer_range=0.3)
+# Mixture-of-experts layers route every token to all of their 4 experts: a top-k choice would
+# make the output jump where two experts' router scores tie, and rounding alone could cross one.
+_MOE_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_MOE_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
+# (intermediate_size: torch._grouped_mm, which runs some families' experts, needs rows of a multiple of 16 bytes)
+_MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=16, intermediate_size=40,
+            shared_expert_intermediate_size=16)
 
 
 def _small_model(family: str, causal: bool):
     config = transformers.AutoConfig.for_model(family)
-    for name, value in _SMALL.items():
+    for name, value in {**_SMALL, **(_MOE if family in _MOE_DECODERS else {})}.items():
         if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property):
             setattr(config, name, value)
+    if family in _MOE_DECODERS:  # every expert chosen: the model is a continuous function
+        experts, top_k = ({n: getattr(config, n) for n in names if hasattr(config, n)}
+                          for names in (_MOE_EXPERTS, _MOE_TOP_K))
+        assert experts and top_k and set(experts.values()) == set(top_k.values()) == {4}, (experts, top_k)
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = config.layer_types[:config.num_hidden_layers]
     config.pad_token_id = 0
