@@ -161,7 +161,7 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
 # masks, scaling and head layout (partial rotary, QK norms, local layers, GQA), and apply()
 # must leave only norms that compute something else.
 _MOE_DECODERS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "minimax",
-                 "ernie4_5_moe", "hunyuan_v1_moe"]
+                 "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss"]
 _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_text", "cohere", "olmo", "olmo2",
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium",
@@ -177,6 +177,8 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_ke
 # make the output jump where two experts' router scores tie, and rounding alone could cross one.
 _MOE_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MOE_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
+# per family: gpt-oss's sliding-window layers with a window shorter than the inputs
+_OWN = {"gpt_oss": dict(sliding_window=4)}
 # (intermediate_size: torch._grouped_mm, which runs some families' experts, needs rows of a multiple of 16 bytes)
 _MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=16, intermediate_size=40,
             shared_expert_intermediate_size=16)
@@ -184,7 +186,7 @@ _MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=1
 
 def _small_model(family: str, causal: bool):
     config = transformers.AutoConfig.for_model(family)
-    for name, value in {**_SMALL, **(_MOE if family in _MOE_DECODERS else {})}.items():
+    for name, value in {**_SMALL, **(_MOE if family in _MOE_DECODERS else {}), **_OWN.get(family, {})}.items():
         if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property):
             setattr(config, name, value)
     if family in _MOE_DECODERS:  # every expert chosen: the model is a continuous function
@@ -395,8 +397,10 @@ def test_gqa_keys_and_values_keep_their_heads(monkeypatch):
     assert shapes and all(s == (4, 2) for s in shapes)
 
 
-def test_compiled_forward_has_no_graph_break():
-    _, twin = _pair("llama")
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma3_text"])
+def test_compiled_forward_has_no_graph_break(family):
+    """Llama; gpt-oss's sinks and sliding windows; Gemma 3's OffsetRMSNorm."""
+    twin = _pair(family)[1] if family in _CLASSES else ftt.apply(_small_model(family, causal=True))[0]
     ids = torch.randint(3, V, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 6:] = 0
@@ -617,6 +621,78 @@ def test_convert_reports_transformers_parts():
     assert not any("self_attn" in n for n, _ in skipped)
 
 
+class _SinkModule(torch.nn.Module):
+    """What gpt-oss's eager attention reads of its module."""
+
+    def __init__(self, heads: int, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.sinks = torch.nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2)
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("mask", ["causal", "none", "bool", "float"])
+def test_attention_sinks_match_gpt_oss_eager(mask, backend):
+    """s_aux: one sink logit per query head joins every softmax; outputs and the gradients of
+    queries, keys, values and the sinks as gpt-oss's eager attention (grouped-query heads;
+    causal as a flag, with a cache offset; no mask; a bool mask with a query that sees no key;
+    a float mask)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 9, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).requires_grad_() for h, n in ((H, Lq), (Hkv, Lk), (Hkv, Lk)))
+    module = _SinkModule(H, H // Hkv)
+    if mask == "causal":  # queries at the cache's end: query i sees keys up to i + Lk - Lq
+        attn_mask, additive = None, torch.zeros(Lq, Lk).masked_fill(
+            ~torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq), float("-inf"))
+    elif mask == "none":
+        module.is_causal, attn_mask, additive = False, None, None
+    elif mask == "bool":
+        attn_mask = torch.rand(B, 1, Lq, Lk, generator=g) < 0.6
+        attn_mask[1, 0, 2] = False  # a query that sees no key: zeros, as eager's sink takes all its weight
+        additive = torch.zeros(attn_mask.shape).masked_fill(~attn_mask, float("-inf"))
+    else:
+        attn_mask = additive = torch.randn(B, 1, Lq, Lk, generator=g)
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=D ** -0.5)
+    dout = torch.randn(want.shape, generator=g)
+    wanted = torch.autograd.grad(want, (q, k, v, module.sinks), dout)
+    with fasttrans.use_backend(backend):
+        got, weights = ftt.attention_forward(module, q, k, v, attn_mask, scaling=D ** -0.5, s_aux=module.sinks)
+        grads = torch.autograd.grad(got, (q, k, v, module.sinks), dout)
+    assert weights is None
+    _close(got, want, "out")
+    for name, a, b in zip(("q", "k", "v", "sinks"), grads, wanted):
+        _close(a, b, f"grad of {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_oss_generates_eager_tokens(backend, one_thread):
+    """gpt-oss (sinks, sliding-window layers whose cache keeps the last 4 keys, GQA, experts)
+    with left-padded prompts and a key/value cache: eager's tokens."""
+    model = _small_model("gpt_oss", causal=True)
+    twin, skipped = ftt.apply(copy.deepcopy(model))
+    assert skipped == []
+    kw, _ = _inputs("gpt_oss", left=True)
+    gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
+               min_new_tokens=6)
+    want = model.generate(**kw, **gen)
+    with fasttrans.use_backend(backend):
+        got = twin.generate(**kw, **gen)
+    assert torch.equal(got, want), (got, want)
+    new = want[:, -gen["max_new_tokens"]:]
+    assert len({tuple(row) for row in new.tolist()}) > 1, f"the prompts gave the same tokens: {new}"
+
+
+def test_packed_sequences_with_sinks_raise_naming_s_aux():
+    q = torch.randn(1, 4, 6, 8)
+    cu = torch.tensor([0, 2, 6])
+    with pytest.raises(ValueError, match="s_aux"):
+        ftt.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(4), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=4, max_length_k=4)
+
+
 # ---------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------
@@ -625,7 +701,9 @@ class _Module(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"softcap": 50.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "s_aux"), ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"softcap": 50.0}, "softcap"), ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"s_aux": torch.zeros(3)}, "s_aux"), ({"s_aux": torch.zeros(4, dtype=torch.long)}, "s_aux"),
+    ({"s_aux": [0.0] * 4}, "s_aux"),
     ({"output_attentions": True}, "output_attentions"), ({"sliding_window": 4}, "sliding_window"),
 ])
 def test_unsupported_arguments_raise_naming_them(kwargs, name):

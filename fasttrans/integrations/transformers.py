@@ -71,8 +71,7 @@ SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range 
 # keyword arguments of transformers' attention interface that the kernels cannot honour
 _UNSUPPORTED = {
     "softcap": "logit soft-capping (Gemma 2, Grok)",
-    "s_aux": "attention sinks (gpt-oss)",
-    "sinks": "attention sinks",
+    "sinks": "attention sinks under that name (transformers passes a sink logit per head as s_aux)",
     "head_mask": "head masks",
 }
 
@@ -293,6 +292,35 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     return out.transpose(1, 2).reshape(B * Lq, H, D).index_select(0, rows_q).unsqueeze(0)
 
 
+def _with_sinks(sinks, query, key, value, attn_mask, key_lengths):
+    """Attention sinks (``s_aux``: gpt-oss's one logit per query head, which joins every row's
+    softmax and attends to no value) as one more key in front of the others: its key and
+    value are zeros, and a float mask adds the sink's logit to its score, so its gradient
+    reaches the sinks through the mask's. Returns (key, value, attn_mask, key_lengths) with
+    it; a causal offset grows by one. Exact: the sink's weight multiplies a zero value, and
+    a query with no other key gets zeros, as in eager attention."""
+    B, H, Lq, D = query.shape
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
+        got = (f"a {sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor)
+               else type(sinks).__name__)
+        raise ValueError(f"s_aux: expected a floating-point tensor of shape ({H},), one sink logit per query "
+                         f"head, got {got}")
+    if sinks.device != query.device:
+        raise ValueError(f"s_aux: expected a tensor on {query.device}, like the queries, got one on {sinks.device}")
+    Lk = key.shape[2]
+    key = torch.cat([key.new_zeros(B, key.shape[1], 1, key.shape[3]), key], 2)
+    value = torch.cat([value.new_zeros(B, value.shape[1], 1, value.shape[3]), value], 2)
+    # (1, H, 1, 1 + Lk): the sink's logit on its key, 0 on the others, broadcast over the queries
+    bias = torch.cat([sinks.to(query.dtype).view(1, H, 1, 1), query.new_zeros(1, H, 1, Lk)], -1)
+    if attn_mask is None:
+        attn_mask = bias
+    elif attn_mask.dtype == torch.bool:  # every query sees the sink
+        attn_mask = torch.where(nn.functional.pad(attn_mask, (1, 0), value=True), bias, float("-inf"))
+    else:
+        attn_mask = bias + nn.functional.pad(attn_mask, (1, 0))
+    return key, value, attn_mask, None if key_lengths is None else key_lengths + 1
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -307,10 +335,12 @@ def attention_forward(
     """transformers' attention interface on ``fasttrans.attention``.
 
     query (B, H, Lq, D), key and value (B, Hkv, Lk, D) (grouped-query heads go through as
-    they are); returns ((B, Lq, H, D), None). Arguments the kernels cannot honour raise
-    ValueError naming them.
+    they are); returns ((B, Lq, H, D), None). Attention sinks (``s_aux``, one logit per
+    query head) run as one more key (:func:`_with_sinks`). Arguments the kernels cannot
+    honour raise ValueError naming them.
     """
     _reject_unsupported(module, kwargs)
+    sinks = kwargs.get("s_aux")
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -322,9 +352,10 @@ def attention_forward(
                              "transformers' mask function puts the window; build the model with "
                              "attn_implementation='fasttrans' after fasttrans.integrations.transformers.register()")
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-            if position_bias is not None:
-                raise ValueError("position_bias: packed sequences (cu_seq_lens_q) with a position bias are not "
-                                 "supported; pad the batch instead")
+            for name, given in (("position_bias", position_bias), ("s_aux", sinks)):
+                if given is not None:
+                    raise ValueError(f"{name}: packed sequences (cu_seq_lens_q) with {name} are not supported; "
+                                     "pad the batch instead")
             return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling), None
     attn_mask, key_lengths, flag = None, None, False
     if attention_mask is None:
@@ -344,9 +375,13 @@ def attention_forward(
             attn_mask = torch.where(attn_mask, position_bias, float("-inf"))
         else:
             attn_mask = position_bias + attn_mask
+    causal_offset = Lk - Lq if flag else 0
+    if sinks is not None:
+        key, value, attn_mask, key_lengths = _with_sinks(sinks, query, key, value, attn_mask, key_lengths)
+        causal_offset += flag  # the keys moved one place on
     out = FT.attention(
         query, key, value, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=flag,
-        causal_offset=Lk - Lq if flag else 0, dropout_p=float(dropout),
+        causal_offset=causal_offset, dropout_p=float(dropout),
         scale=None if scaling is None else float(scaling),
     )
     return out.transpose(1, 2).contiguous(), None
