@@ -38,11 +38,15 @@ Sweeps (select with --sweep):
               from the same weights.
               tokens/s = batch * 128 / step (padding included) and batch * new tokens / time.
     hf-families  a training step of each family the integration is tested on (BERT, BART,
-              Marian, T5, GPT-2, Llama with 2 key/value heads) at one small shape: hidden 256,
-              4 heads, FFN 1024, vocabulary 8000, 2 layers (2 + 2 for the encoder-decoders),
+              Marian, T5, GPT-2, Llama with 2 key/value heads; gpt-oss with 2 key/value heads,
+              attention sinks, a sliding window of 128 keys on every other layer and 4
+              experts, 2 per token) at one small shape: hidden 256, 4 heads, FFN 1024
+              (per expert), vocabulary 8000, 2 layers (2 + 2 for the encoder-decoders),
               batch 8, 128 input tokens with 25% right padding (the pads out of the loss;
               64 target tokens for the encoder-decoders); apply() (and for BERT, GPT-2 and
-              Llama apply(unpad=True), variant [unpad]) against "sdpa".
+              Llama apply(unpad=True), variant [unpad]) against "sdpa" (gpt-oss, which
+              transformers runs on "eager" alone: against "eager"); and gpt-oss's greedy
+              generate() with the KV cache, batch 4, prompt 512, 32 new tokens.
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
 activations in that one precision, as half-precision fine-tuning without autocast does.
@@ -259,7 +263,9 @@ HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4
 HF_BERT_BASE_QUICK = types.SimpleNamespace(**{**vars(HF_BERT_QUICK), "layers": 2})
 HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
 # the hf-families sweep: one small shape for every family the integration is tested on
-HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama")
+HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama", "gpt_oss")
+HF_EAGER_ONLY = ("gpt_oss",)  # families transformers runs on "eager" alone (gpt-oss's sinks): their baseline
+HF_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)  # gpt-oss's mixture of experts, shrunk
 HF_UNPADDABLE = ("bert", "gpt2", "llama")  # the families apply(unpad=True) runs on real tokens only
 HF_FAMILY = dict(vocab=8000, hidden=256, heads=4, kv_heads=2, ffn=1024, layers=2)
 HF_FAMILY_QUICK = dict(vocab=256, hidden=64, heads=4, kv_heads=2, ffn=128, layers=1)
@@ -282,7 +288,8 @@ def hf_unavailable() -> str | None:
 
 
 def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype):
-    """A random-weight model of ``spec``'s family, seeded, on attn_implementation="sdpa"."""
+    """A random-weight model of ``spec``'s family, seeded, on attn_implementation="sdpa" (on
+    "eager" for the families of HF_EAGER_ONLY)."""
     import transformers as T
 
     common_ids = dict(vocab_size=spec.vocab, pad_token_id=0)
@@ -305,6 +312,11 @@ def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype)
     elif spec.name == "gpt2":
         config, cls = T.GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, n_inner=spec.ffn,
                                    bos_token_id=1, eos_token_id=2, **common_ids), T.GPT2LMHeadModel
+    elif spec.name == "gpt_oss":  # sinks, sliding-window layers (of 128 keys) and experts
+        config, cls = T.GptOssConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                                     num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                                     head_dim=spec.hidden // spec.heads, intermediate_size=spec.ffn,
+                                     eos_token_id=None, **HF_EXPERTS, **common_ids), T.GptOssForCausalLM
     else:
         # no end token: every generate() call produces exactly the tokens asked for
         config, cls = T.LlamaConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
@@ -313,7 +325,7 @@ def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype)
                                     **common_ids), T.LlamaForCausalLM
     torch.manual_seed(0)
     model = cls(config)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("eager" if spec.name in HF_EAGER_ONLY else "sdpa")
     return model.to(device=device, dtype=dtype)
 
 
@@ -427,7 +439,7 @@ def hf_fasttrans_copy(model, inp, backend: str, unpad: bool = False):
     tolerance = TWIN_TOLERANCE if want.dtype == torch.float32 else HALF_TWIN_TOLERANCE
     if not diff <= tolerance * max(1.0, want.float().abs().max().item()):
         raise RuntimeError(f"{type(model).__name__} with attn_implementation='fasttrans' on backend {backend!r} and "
-                           f"with 'sdpa' disagree: max |logit difference| = {diff:.3g}; the comparison would not "
+                           f"with {model.config._attn_implementation!r} disagree: max |logit difference| = {diff:.3g}; the comparison would not "
                            "be like for like")
     return ours
 
@@ -528,9 +540,20 @@ def hf_configs(bench: common.Bench):
             mode="train step", dtype=dtype, params=hf_params(spec, batch, seq=seq_len, padding=f"{HF_PADDING:.0%}"),
             inputs=hf_inputs(spec, batch, seq_len, bench.device, dtype, padding=HF_PADDING),
             entries=hf_entries(bench, hf_train_step, unavailable, unpad=family in HF_UNPADDABLE,
-                               torch_variants=("sdpa",)),
-            work=float(batch * seq_len), work_unit="token", measure="time", baseline=base,
+                               torch_variants=("eager",) if family in HF_EAGER_ONLY else ("sdpa",)),
+            work=float(batch * seq_len), work_unit="token", measure="time",
+            baseline=("torch", "eager") if family in HF_EAGER_ONLY else base,
         )
+    # gpt-oss is most often run for inference: its generate() too, with a long prompt
+    gpt_oss, prompt = types.SimpleNamespace(name="gpt_oss", **shape), 8 if bench.quick else 512
+    yield Config(
+        sweep="hf-families", case=f"gpt_oss greedy generate {new_tokens} tokens, prompt {prompt}, batch {gen_batch}",
+        op="gpt_oss", mode="decode", dtype=dtype, params=hf_params(gpt_oss, gen_batch, prompt=prompt, new=new_tokens),
+        inputs=hf_inputs(gpt_oss, 2, prompt, bench.device, dtype, prompt_batch=gen_batch, prompt_len=prompt),
+        entries=hf_entries(bench, lambda model, inp, backend: hf_generate(model, inp, backend, new_tokens),
+                           unavailable, torch_variants=("eager",)),
+        work=float(gen_batch * new_tokens), work_unit="token", measure="time", baseline=("torch", "eager"),
+    )
     # last: the costliest case, so that a run cut short by a time limit (make gpu-check) has the others' rows
     yield bert_step(bert_base)
 
