@@ -167,8 +167,8 @@ _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_t
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium",
                   *_MOE_DECODERS]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
-# the norms apply() reports and leaves, by class: a norm without a weight
-_NORMS_KEPT = {"olmo": {"OlmoLayerNorm"}}
+# the norms apply() reports and leaves, by class (none: every family's norms are replaced)
+_NORMS_KEPT: dict[str, set] = {}
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
@@ -533,6 +533,51 @@ def test_offset_rms_norm_matches_gemma_norm_in_every_precision():
             wtol = max(tol, 2 * torch.finfo(w.dtype).eps)
             torch.testing.assert_close(g, w, rtol=wtol, atol=wtol * w.abs().max().item(),
                                        msg=lambda m, what=what, dtype=dtype: f"{what} ({dtype}): {m}")
+
+
+def test_layer_norm_without_parameters_matches_olmo_norm_in_every_precision():
+    """OLMo's layer norm (no weight, no bias, eps 1e-5 written in its forward) becomes
+    fasttrans's LayerNorm without parameters: its numbers and input gradient, the input's dtype."""
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        holder = torch.nn.Sequential(OlmoLayerNorm(64))
+        _, skipped = ftt.apply(holder, attention=False)
+        assert skipped == [] and isinstance(holder[0], ftt.LayerNorm)
+        assert holder[0].weight is None and holder[0].eps == 1e-5 and list(holder.state_dict()) == []
+        x = (torch.randn(5, 64) * 3 + 2).to(dtype).requires_grad_()
+        dy = torch.randn(5, 64).to(dtype)
+        want = OlmoLayerNorm(64)(x)
+        (want_dx,) = torch.autograd.grad(want, x, dy)
+        got = holder[0](x)
+        (got_dx,) = torch.autograd.grad(got, x, dy)
+        assert got.dtype == want.dtype == dtype
+        tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
+        for g, w in ((got, want), (got_dx, want_dx)):
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+class _WeightlessLayerNorm(torch.nn.Module):
+    """A layer norm without parameters whose eps (1e-3) is not an attribute."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.normalized_shape = (hidden,)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, eps=1e-3)
+
+
+_WeightlessLayerNorm.__module__ = "transformers.models.weightless.modeling_weightless"
+
+
+def test_a_norm_without_parameters_is_replaced_only_if_the_probe_confirms_its_eps():
+    """Without an eps attribute, the probe tries torch's default 1e-5: a norm with another eps
+    is reported, not replaced with the wrong one."""
+    holder = torch.nn.Sequential(_WeightlessLayerNorm(16))
+    with pytest.warns(UserWarning, match="_WeightlessLayerNorm"):
+        _, skipped = ftt.apply(holder, attention=False)
+    assert type(holder[0]) is _WeightlessLayerNorm and len(skipped) == 1 and "weight * (x - mean)" in skipped[0][1]
 
 
 class _HalfRMSNorm(torch.nn.Module):

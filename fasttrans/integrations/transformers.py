@@ -450,43 +450,57 @@ class OffsetRMSNorm(_VarianceEpsilon, ftnn.RMSNorm):
 
 class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
     """``fasttrans.nn.LayerNorm`` without a bias in the place of a transformers layer norm that
-    has a weight alone (``CohereLayerNorm``): the same ``weight`` Parameter and state_dict, the
-    eps also as ``variance_epsilon``, and the output in the input's dtype, as those modules
-    return it; the statistics accumulate in fp32, as theirs do."""
+    has a weight alone (``CohereLayerNorm``), or, with ``elementwise_affine=False``, nothing
+    (``OlmoLayerNorm``): the same ``weight`` Parameter and state_dict, the eps also as
+    ``variance_epsilon``, and the output in the input's dtype, as those modules return it;
+    the statistics accumulate in fp32, as theirs do."""
 
-    def __init__(self, hidden: int, eps: float, device=None, dtype=None):
-        super().__init__(hidden, eps=eps, bias=False, device=device, dtype=dtype)
+    def __init__(self, hidden: int, eps: float, elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__(hidden, eps=eps, elementwise_affine=elementwise_affine, bias=False, device=device,
+                         dtype=dtype)
 
     @pinnable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
+        if w is None or w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in _HALF):
             return super().forward(x).to(x.dtype)
         dtype = torch.promote_types(x.dtype, w.dtype)  # a weight the kernels do not pair with x's dtype
         return FT.layer_norm(x.to(dtype), self.normalized_shape, w.to(dtype), None, self.eps).to(x.dtype)
 
 
-def _rms_norm_eps(m: nn.Module) -> tuple[float | None, str | None]:
-    """(eps, None) for a transformers norm that may compute weight * x / rms(x), else (None, why)."""
+def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
+    """(eps, hidden size, None) for a transformers norm that may compute one of _FORMULAS
+    over its last dimension (with a 1-D weight, or without parameters), else (None, None, why)."""
     own_params = {n for n, p in m._parameters.items() if p is not None}
-    if own_params != {"weight"}:
-        return None, f"its parameters are {sorted(own_params)}, not a weight alone (an RMS norm has no bias)"
+    if own_params not in ({"weight"}, set()):
+        return None, None, f"its parameters are {sorted(own_params)}, not a weight alone or none"
     if any(b is not None for b in m._buffers.values()) or any(c is not None for c in m._modules.values()):
-        return None, "it holds buffers or submodules, which an RMS norm does not"
-    if m.weight.dim() != 1:
-        return None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,)"
+        return None, None, "it holds buffers or submodules, which these norms do not"
+    if own_params:
+        if m.weight.dim() != 1:
+            return None, None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,)"
+        hidden = m.weight.shape[0]
+    else:
+        shape = getattr(m, "normalized_shape", getattr(m, "hidden_size", getattr(m, "dim", None)))
+        shape = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int)):
+            return None, None, "it has no weight, nor a normalized_shape of one dimension"
+        hidden = int(shape[0])
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if eps is None and not own_params:
+        eps = 1e-5  # torch.nn.functional.layer_norm's default, which OLMo's norm uses: the probe checks it
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return None, "it has no float variance_epsilon or eps attribute"
+        return None, None, "it has no float variance_epsilon or eps attribute"
     if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_hf_hook", None) is not None:
-        return None, "it has forward hooks (apply fasttrans before adding hooks or dispatching the model)"
-    if m.weight.device.type == "meta":
-        return None, "its weight is on the meta device (load the weights first)"
-    return float(eps), None
+        return None, None, "it has forward hooks (apply fasttrans before adding hooks or dispatching the model)"
+    if own_params and m.weight.device.type == "meta":
+        return None, None, "its weight is on the meta device (load the weights first)"
+    return float(eps), hidden, None
 
 
 # What a transformers norm with a 1-D weight may compute, as the probe checks it: formula
-# name -> its text in reasons. Each has a fasttrans replacement (_norm_replacement).
+# name -> its text in reasons (a norm without a weight: weight = 1). Each has a fasttrans
+# replacement (_norm_replacement).
 _FORMULAS = {
     "rms": "weight * x / sqrt(mean(x^2) + eps)",
     "offset": "(1 + weight) * x / sqrt(mean(x^2) + eps)",
@@ -494,13 +508,12 @@ _FORMULAS = {
 }
 
 
-def _probe_error(m: nn.Module, eps: float, formula: str) -> float | str:
-    """How far m's forward is from ``formula`` (a key of _FORMULAS) on a probe, as a multiple
-    of the tolerance (at most 1: it computes that formula), or why the probe could not run.
-    The probe has a row whose mean square is near eps (where eps is added shows) and one far
-    from zero mean (a mean subtraction shows)."""
-    w = m.weight
-    n = w.shape[0]
+def _probe_error(m: nn.Module, eps: float, n: int, formula: str) -> float | str:
+    """How far m's forward is from ``formula`` (a key of _FORMULAS) on a probe of n features,
+    as a multiple of the tolerance (at most 1: it computes that formula), or why the probe
+    could not run. The probe has a row whose mean square is near eps (where eps is added
+    shows) and one far from zero mean (a mean subtraction shows)."""
+    w = m.weight if "weight" in m._parameters and m.weight is not None else torch.ones(n)
     g = torch.Generator().manual_seed(0)  # leaves torch's global generator alone
     x = torch.randn(4, n, generator=g, dtype=torch.float64)
     x[1] *= max(eps, 1e-12) ** 0.5
@@ -532,12 +545,15 @@ def _probe_error(m: nn.Module, eps: float, formula: str) -> float | str:
 def _norm_replacement(m: nn.Module) -> tuple[type | None, float | None, str | None]:
     """(the fasttrans class computing what the transformers norm m computes, its eps, None),
     or (None, None, why m cannot be replaced)."""
-    eps, why = _rms_norm_eps(m)
+    eps, hidden, why = _norm_eps(m)
     if why is not None:
         return None, None, why
     errors = {}
+    weighted = "weight" in m._parameters and m.weight is not None
     for kind, formula in ((RMSNorm, "rms"), (OffsetRMSNorm, "offset"), (LayerNorm, "centred")):
-        err = _probe_error(m, eps, formula)
+        if formula == "offset" and not weighted:
+            continue
+        err = _probe_error(m, eps, hidden, formula)
         if isinstance(err, str):
             return None, None, err
         if err <= 1:
@@ -566,8 +582,11 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                 if why:
                     skipped.append((path, f"{type(child).__name__}: {why}"))
                 else:
-                    new = kind(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
-                    new.register_parameter("weight", child.weight)  # the same Parameter object
+                    if "weight" in child._parameters and child.weight is not None:
+                        new = kind(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
+                        new.register_parameter("weight", child.weight)  # the same Parameter object
+                    else:
+                        new = kind(_norm_eps(child)[1], eps=eps, elementwise_affine=False)
                     new.training = child.training
             done[id(child)] = new
             if new is child:
