@@ -318,6 +318,7 @@ def attention(
     causal_offset: int = 0,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with every mask kind, fused where a kernel exists.
 
@@ -334,10 +335,19 @@ def attention(
         causal_offset: diagonal offset; Lk - Lq gives bottom-right alignment (decoding).
         dropout_p: dropout probability on the attention weights (1 drops every weight: zeros).
         scale: score scale; default 1/sqrt(D).
+        sinks: (H,) float, one attention-sink logit per query head (gpt-oss's): it joins
+            every row's softmax, after the scale and the masks, and its weight goes to no
+            value; it gets a gradient. Any backend: the kernels' output and log-sum-exp are
+            rescaled by the sink's share, and their backward takes the rescaled gradient.
 
     Returns:
         (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
+    if sinks is not None:
+        _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+        _validate_sinks(sinks, q)
+        return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                                      sinks)
     if (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
             and _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0
             and _dispatch_stack_len is not None and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
@@ -359,17 +369,29 @@ def attention(
     return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
 
 
-def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale):
+def _validate_sinks(sinks, q) -> None:
+    _check_tensor("sinks", sinks, 1)
+    _check_float("sinks", sinks)
+    _check_device("sinks", sinks, q.device)
+    if sinks.shape[0] != q.shape[1]:
+        raise ShapeError(f"sinks: expected one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+
+
+def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks=None):
     """:func:`attention` with positional arguments that are valid by construction, without
     the checks that would cost every call again: the entry point of the layers above
     (``fasttrans.nn`` and ``fasttrans.models`` build the arguments after their own checks).
     Not for users: invalid arguments here are not reported."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
-        return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale) * 0.0
+        return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale,
+                                      sinks) * 0.0
     B, H, Lq, D = q.shape
     # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
     # or below none sees any), in the int64 range the ops take
     causal_offset = max(-Lq, min(causal_offset, k.shape[2]))
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                                     sinks)
     if (attn_mask is None and type(q) in _PLAIN_TENSORS and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and B and H and Lq and D <= MAX_HEAD_DIM and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             and not _is_compiling() and _functorch.maybe_current_level() is None
@@ -412,6 +434,18 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
             q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)[0]
     return _run("attention", q.device, q.dtype, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal,
                 causal_offset, float(dropout_p), scale, seed)[0]
+
+
+def _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks):
+    q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
+    args = (q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
+    if (q.numel() == 0 or _on_reference_for_head_dim(q.shape[3])
+            or _on_reference_under_transform("attention", q, k, v, attn_mask, sinks)):
+        return backends.reference_impl().attention_with_sinks(*args)
+    name = (_selected_backend("attention", str(q.device), q.dtype) if _is_compiling()
+            else backends.select_backend("attention", q.device, q.dtype).name)
+    return backends.attention_with_sinks(name, *args)
 
 
 def attention_dropout_mask(

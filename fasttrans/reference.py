@@ -136,6 +136,7 @@ def attention_with_lse(
     scale: float | None = None,
     dropout_mask: torch.Tensor | None = None,
     upcast: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output (B, H, Lq, D) in q's dtype, and the fp32 log-sum-exp (B, H, Lq).
 
@@ -143,16 +144,26 @@ def attention_with_lse(
     entries of ``dropout_mask`` and rescales them by 1 / (1 - dropout_p). A row with no
     allowed key has output 0 and log-sum-exp +inf (so exp(s - lse) recomputes to 0).
 
+    ``sinks`` (H,): one more logit per query head in every row's softmax, whose weight goes
+    to no value (gpt-oss's attention sinks); the log-sum-exp includes it, and a row with no
+    allowed key gives the sink all its weight: output 0.
+
     ``upcast=False`` computes everything in the input dtype: the "same-precision PyTorch"
     baseline of the low-precision error rule used by the tests.
     """
     s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf on fully masked rows
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    p = attention_probs(
-        q, k, attn_mask=attn_mask, key_lengths=key_lengths,
-        is_causal=is_causal, causal_offset=causal_offset, scale=scale, upcast=upcast,
-    )
+    if sinks is not None:
+        B, H, Lq, _ = s.shape
+        column = sinks.to(s.dtype).view(1, H, 1, 1).expand(B, H, Lq, 1)
+        lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)  # finite: the sink is always there
+        p = torch.exp(s - lse.unsqueeze(-1))
+    else:
+        lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf on fully masked rows
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+        p = attention_probs(
+            q, k, attn_mask=attn_mask, key_lengths=key_lengths,
+            is_causal=is_causal, causal_offset=causal_offset, scale=scale, upcast=upcast,
+        )
     if dropout_p > 0.0:
         if dropout_mask is None:
             raise ValueError("reference.attention: dropout_p > 0 needs an explicit dropout_mask")
@@ -324,6 +335,17 @@ class ReferenceImpl:
             causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
             dropout_mask=cls._keep(q, k, dropout_p, seed),
         )
+
+    @classmethod
+    def attention_with_sinks(cls, q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                             seed):
+        """attention_fwd's output with one sink logit per query head, ``sinks`` (H,), in
+        PyTorch ops that autograd differentiates (sinks included)."""
+        return attention_with_lse(
+            q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
+            causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
+            dropout_mask=cls._keep(q, k, dropout_p, seed), sinks=sinks,
+        )[0]
 
     @classmethod
     def attention_bwd(cls, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,

@@ -57,6 +57,7 @@ The package's modules, each one concern:
     autograd       the ops' gradient formulas, second-order gradients, the eager route
     registration   the fasttrans:: ops of each backend: torch.library definitions and fakes
     common_case    the common case of a public norm or attention call, which fast entries take
+    sinks          attention sinks on any backend's attention ops, from their (out, lse)
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from .registry import (
     select_backend,
     use_backend,
 )
+from .sinks import attention_with_sinks
 
 __all__ = [
     # selection, for users and the layers above
@@ -85,5 +87,5 @@ __all__ = [
     "select_backend", "use_backend", "current_forced_backend", "mask_helpers", "reference_impl",
     # the ops and routes fasttrans.functional calls
     "ops_for", "forward_op", "dropout_ops_for", "inference_ops", "eager_route", "selected_route",
-    "last_dim_unit_stride", "BELOW_AUTOGRAD", "norm_tensors", "attention_tensors",
+    "last_dim_unit_stride", "BELOW_AUTOGRAD", "norm_tensors", "attention_tensors", "attention_with_sinks",
 ]

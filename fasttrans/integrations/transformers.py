@@ -292,14 +292,10 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     return out.transpose(1, 2).reshape(B * Lq, H, D).index_select(0, rows_q).unsqueeze(0)
 
 
-def _with_sinks(sinks, query, key, value, attn_mask, key_lengths):
-    """Attention sinks (``s_aux``: gpt-oss's one logit per query head, which joins every row's
-    softmax and attends to no value) as one more key in front of the others: its key and
-    value are zeros, and a float mask adds the sink's logit to its score, so its gradient
-    reaches the sinks through the mask's. Returns (key, value, attn_mask, key_lengths) with
-    it; a causal offset grows by one. Exact: the sink's weight multiplies a zero value, and
-    a query with no other key gets zeros, as in eager attention."""
-    B, H, Lq, D = query.shape
+def _sinks(sinks, query: torch.Tensor) -> torch.Tensor:
+    """``s_aux`` (gpt-oss's attention sinks, one logit per query head), checked under the name
+    the model passes it by."""
+    H = query.shape[1]
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
         got = (f"a {sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor)
                else type(sinks).__name__)
@@ -307,18 +303,7 @@ def _with_sinks(sinks, query, key, value, attn_mask, key_lengths):
                          f"head, got {got}")
     if sinks.device != query.device:
         raise ValueError(f"s_aux: expected a tensor on {query.device}, like the queries, got one on {sinks.device}")
-    Lk = key.shape[2]
-    key = torch.cat([key.new_zeros(B, key.shape[1], 1, key.shape[3]), key], 2)
-    value = torch.cat([value.new_zeros(B, value.shape[1], 1, value.shape[3]), value], 2)
-    # (1, H, 1, 1 + Lk): the sink's logit on its key, 0 on the others, broadcast over the queries
-    bias = torch.cat([sinks.to(query.dtype).view(1, H, 1, 1), query.new_zeros(1, H, 1, Lk)], -1)
-    if attn_mask is None:
-        attn_mask = bias
-    elif attn_mask.dtype == torch.bool:  # every query sees the sink
-        attn_mask = torch.where(nn.functional.pad(attn_mask, (1, 0), value=True), bias, float("-inf"))
-    else:
-        attn_mask = bias + nn.functional.pad(attn_mask, (1, 0))
-    return key, value, attn_mask, None if key_lengths is None else key_lengths + 1
+    return sinks
 
 
 def attention_forward(
@@ -336,7 +321,7 @@ def attention_forward(
 
     query (B, H, Lq, D), key and value (B, Hkv, Lk, D) (grouped-query heads go through as
     they are); returns ((B, Lq, H, D), None). Attention sinks (``s_aux``, one logit per
-    query head) run as one more key (:func:`_with_sinks`). Arguments the kernels cannot
+    query head) go to ``fasttrans.attention``'s ``sinks``. Arguments the kernels cannot
     honour raise ValueError naming them.
     """
     _reject_unsupported(module, kwargs)
@@ -375,14 +360,10 @@ def attention_forward(
             attn_mask = torch.where(attn_mask, position_bias, float("-inf"))
         else:
             attn_mask = position_bias + attn_mask
-    causal_offset = Lk - Lq if flag else 0
-    if sinks is not None:
-        key, value, attn_mask, key_lengths = _with_sinks(sinks, query, key, value, attn_mask, key_lengths)
-        causal_offset += flag  # the keys moved one place on
     out = FT.attention(
         query, key, value, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=flag,
-        causal_offset=causal_offset, dropout_p=float(dropout),
-        scale=None if scaling is None else float(scaling),
+        causal_offset=Lk - Lq if flag else 0, dropout_p=float(dropout),
+        scale=None if scaling is None else float(scaling), sinks=None if sinks is None else _sinks(sinks, query),
     )
     return out.transpose(1, 2).contiguous(), None
 

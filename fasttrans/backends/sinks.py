@@ -1,0 +1,105 @@
+"""Attention sinks on any backend's attention kernels, which know nothing of them.
+
+A sink is one logit per query head that joins every row's softmax and attends to no value
+(gpt-oss's ``s_aux``): with ``lse`` the log-sum-exp of a row's scores and ``s`` its head's
+sink, ``lse' = logaddexp(lse, s)`` and the row's output is ``y = out * c`` with
+``c = exp(lse - lse')``, ``out`` being the kernels' attention without the sink.
+
+The backward needs no sink either. With ``P`` the kernels' probabilities (from ``lse``) the
+sink attention's are ``c P``, and the kernels' backward, given ``dout = c dy`` and
+``out = y``, computes ``dV = P^T (c dy)``, ``D = rowsum(c dy * y)`` and
+``dS = P (c dy V^T - D) = (c P)(dy V^T - rowsum(dy * y))``: the sink attention's gradients of
+q, k, v and a float mask, exactly. The sink's own is ``-sum_rows exp(s - lse') rowsum(dy * y)``.
+A row with no allowed key has ``lse = +inf`` (the backend interface's convention): there it
+is an empty sum, ``c = 0``, and the row's output and gradients are zeros, as in eager
+attention, where the sink takes all of the row's weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from .autograd import _check_second_order, _grad_with_graph, _below_autograd
+from .registry import BACKENDS, current_forced_backend
+
+
+def _fold(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """(y, c, lse') from the kernels' (out, lse) and the sinks (H,); c and lse' in lse's dtype
+    (fp32, fp64 for fp64 inputs), shaped (B, H, Lq)."""
+    inf = float("inf")
+    lse = lse.masked_fill(lse == inf, -inf)  # no allowed key: the log of an empty sum
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    c = torch.exp(lse - with_sink)
+    return (out.to(c.dtype) * c.unsqueeze(-1)).to(out.dtype), c, with_sink
+
+
+def _ops(name: str):
+    """(forward, backward) of backend ``name``'s attention, taking the registered ops'
+    arguments: the registered ops under torch.compile, else the implementation's methods
+    (the extension's below their autograd key, as the eager route calls them)."""
+    if torch.compiler.is_compiling():
+        from .registration import ops_for  # noqa: PLC0415 - registration imports this module's siblings
+
+        fwd, bwd = ops_for(name)[:2]
+        return fwd, bwd
+    impl = BACKENDS[name].impl()
+    fwd, bwd = impl.attention_fwd, impl.attention_bwd
+    if name == "extension":
+        fwd, bwd = _below_autograd(fwd), _below_autograd(bwd)
+    return fwd, bwd
+
+
+class _SinkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, name,
+                forced):
+        fwd, _ = _ops(name)
+        out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+        y, c, with_sink = _fold(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, y, lse, c, with_sink, attn_mask, sinks, key_lengths)
+        ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
+        ctx.name, ctx.forced = name, forced
+        ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse, c, with_sink, attn_mask, sinks, key_lengths = ctx.saved_tensors
+        is_causal, causal_offset, dropout_p, scale, seed = ctx.args
+        nothing = (None,) * 8
+        if torch.is_grad_enabled():  # backward(create_graph=True): the reference's, differentiable again
+            _check_second_order("attention", ctx.name, ctx.forced)
+            grads = _grad_with_graph(
+                lambda q, k, v, m, s: reference.ReferenceImpl.attention_with_sinks(
+                    q, k, v, m, s, key_lengths, is_causal, causal_offset, dropout_p, scale, seed),
+                (q, k, v, attn_mask, sinks), ctx.needs_input_grad[:5], (dy,))
+            return (*grads, *nothing)
+        _, bwd = _ops(ctx.name)
+        dout = (dy.to(c.dtype) * c.unsqueeze(-1)).to(y.dtype).contiguous()
+        dq, dk, dv, dmask = bwd(dout, q, k, v, y, lse, attn_mask, key_lengths, is_causal, causal_offset,
+                                dropout_p, scale, seed, ctx.mask_grad)
+        dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
+        dsinks = None
+        if ctx.needs_input_grad[4]:
+            delta = (dy.to(c.dtype) * y.to(c.dtype)).sum(-1)  # (B, H, Lq): rowsum(dy * y)
+            weight = torch.exp(sinks.to(c.dtype).view(1, -1, 1) - with_sink)  # the sink's probability
+            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dmask, dsinks, *nothing
+
+
+def attention_with_sinks(name: str, q, k, v, attn_mask, sinks, key_lengths, is_causal: bool, causal_offset: int,
+                         dropout_p: float, scale: float, seed: int) -> torch.Tensor:
+    """Backend ``name``'s attention with one sink logit per query head, ``sinks`` (H,); the
+    other arguments are the registered forward op's, already valid. Returns (B, H, Lq, D)."""
+    if name == "reference":  # the oracle computes the sinks as eager attention does
+        return reference.ReferenceImpl.attention_with_sinks(
+            q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask, sinks)):
+        # the forced backend is read here: dynamo cannot trace a context variable's read
+        forced = None if torch.compiler.is_compiling() else current_forced_backend()
+        return _SinkAttention.apply(q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p,
+                                    scale, seed, name, forced)
+    fwd, _ = _ops(name)
+    out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+    return _fold(out, lse, sinks)[0]

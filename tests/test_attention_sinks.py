@@ -1,0 +1,197 @@
+"""fasttrans.attention's ``sinks``: one logit per query head in every row's softmax, whose
+weight goes to no value. Checked against the formula eager attention computes (the scores
+with a sink column appended, a softmax, the column dropped) on every backend, with every
+mask kind, grouped-query heads, dropout, half precision, torch.compile and torch.func."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import functional
+from fasttrans.functional import DTypeError, ShapeError
+from conftest import backend_params
+from helpers import assert_close_lowp
+
+BACKENDS = backend_params("attention")
+B, H, HKV, LQ, LK, D = 2, 4, 2, 5, 9, 16
+
+
+def _eager(q, k, v, sinks, allowed, bias=None, keep=None, p=0.0):
+    """gpt-oss's eager attention: scores, the sink column, softmax, the column dropped."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(2, 3) / q.shape[-1] ** 0.5
+    if bias is not None:
+        s = s + bias
+    s = s.masked_fill(~allowed, float("-inf"))
+    column = sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1).to(s.dtype)
+    w = torch.cat([s, column], -1).softmax(-1)[..., :-1]
+    if keep is not None:
+        w = w * keep / (1 - p)
+    return w @ v
+
+
+def _inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, LQ, D, generator=g).to(dtype), torch.randn(B, HKV, LK, D, generator=g).to(dtype),
+            torch.randn(B, HKV, LK, D, generator=g).to(dtype), (torch.randn(H, generator=g) * 2).to(dtype))
+
+
+def _mask(kind: str):
+    """(fasttrans.attention keywords, the bool allowed mask, the float bias) of a mask kind."""
+    g = torch.Generator().manual_seed(5)
+    everything = torch.ones(LQ, LK, dtype=torch.bool)
+    if kind == "causal":  # queries at the end of a cache
+        return dict(is_causal=True, causal_offset=LK - LQ), everything.tril(LK - LQ), None
+    if kind == "bool":
+        allowed = torch.rand(B, 1, LQ, LK, generator=g) < 0.6
+        allowed[1, 0, 2] = False  # a query that sees no key: zeros (the sink takes all its weight)
+        return dict(attn_mask=allowed), allowed, None
+    if kind == "float":
+        bias = torch.randn(B, 1, LQ, LK, generator=g)
+        return dict(attn_mask=bias), everything, bias
+    if kind == "key_lengths":  # a sequence with no key at all
+        lengths = torch.tensor([0, 6])
+        return dict(key_lengths=lengths), torch.arange(LK).view(1, 1, 1, LK) < lengths.view(B, 1, 1, 1), None
+    return {}, everything, None
+
+
+def _with_grads(fn, tensors, dy):
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*tensors)
+    return out, torch.autograd.grad(out, tensors, dy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "key_lengths"])
+def test_sinks_match_eager_attention_with_a_sink_column(kind, backend):
+    """Output and the gradients of q, k, v, the sinks (and a float mask) in fp32."""
+    q, k, v, sinks = _inputs()
+    kw, allowed, bias = _mask(kind)
+    tensors = [q, k, v, sinks] + ([bias] if bias is not None else [])
+    dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7))
+
+    def ours(q, k, v, sinks, bias=None):
+        return fasttrans.attention(q, k, v, sinks=sinks, **{**kw, **({"attn_mask": bias} if bias is not None else {})})
+
+    want, want_grads = _with_grads(lambda q, k, v, s, b=None: _eager(q, k, v, s, allowed, b), tensors, dy)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _with_grads(ours, tensors, dy)
+        with torch.no_grad():  # the inference route gives the same numbers
+            torch.testing.assert_close(ours(*tensors), got, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("q", "k", "v", "sinks", "attn_mask"), got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
+    if kind in ("bool", "key_lengths"):  # rows that see no key: zeros, and no gradient through them
+        empty = ~allowed.expand(B, H, LQ, LK).any(-1)
+        assert empty.any() and (got[empty] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_with_dropout_use_the_backends_keep_mask(backend):
+    """Dropout after the softmax with the sink, on the weights of the keys: the keep mask the
+    debug hook gives for the same seed."""
+    q, k, v, sinks = _inputs()
+    dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7))
+    p = 0.3
+    with fasttrans.use_backend(backend):
+        torch.manual_seed(11)
+        keep = functional.attention_dropout_mask(q, k, p)
+        torch.manual_seed(11)
+        got, got_grads = _with_grads(lambda q, k, v, s: fasttrans.attention(q, k, v, sinks=s, dropout_p=p,
+                                                                            is_causal=True), (q, k, v, sinks), dy)
+    causal = torch.ones(LQ, LK, dtype=torch.bool).tril()
+    want, want_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, causal, keep=keep.float(), p=p),
+                                   (q, k, v, sinks), dy)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sinks_in_half_precision_by_the_2x_rule(dtype, backend):
+    q, k, v, sinks = _inputs(dtype)
+    kw, allowed, _ = _mask("bool")
+    dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _with_grads(lambda q, k, v, s: fasttrans.attention(q, k, v, sinks=s, **kw),
+                                     (q, k, v, sinks), dy)
+    ref, ref_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, allowed),
+                                 [t.double() for t in (q, k, v, sinks)], dy.double())
+    base, base_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, allowed), (q, k, v, sinks), dy)
+    assert got.dtype == dtype and got_grads[3].dtype == dtype
+    assert_close_lowp("out", got, ref, base)
+    for name, a, r, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, ref_grads, base_grads):
+        assert_close_lowp(name, a, r, b)
+
+
+@pytest.mark.parametrize("sinks, error, what", [
+    (torch.zeros(3), ShapeError, r"\(4,\)"),
+    (torch.zeros(4, 1), ShapeError, "1-D"),
+    (torch.zeros(4, dtype=torch.int64), DTypeError, "float"),
+    ([0.0] * 4, TypeError, "Tensor"),
+])
+def test_bad_sinks_raise_naming_them(sinks, error, what):
+    q, k, v, _ = _inputs()
+    with pytest.raises(error, match=f"sinks.*{what}|{what}.*sinks"):
+        fasttrans.attention(q, k, v, sinks=sinks)
+
+
+def test_sinks_on_another_device_raise_naming_them():
+    q, k, v, sinks = _inputs()
+    with pytest.raises(Exception, match="sinks"):
+        fasttrans.attention(q, k, v, sinks=sinks.to("meta"))
+
+
+def test_compiled_sinks_trace_without_a_graph_break_and_match_eager():
+    q, k, v, sinks = _inputs()
+    dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7))
+
+    def f(q, k, v, s):
+        return fasttrans.attention(q, k, v, sinks=s, is_causal=True, causal_offset=LK - LQ)
+
+    want, want_grads = _with_grads(f, (q, k, v, sinks), dy)
+    torch._dynamo.reset()
+    got, got_grads = _with_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), (q, k, v, sinks), dy)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sinks_under_torch_func_grad_run_on_the_reference():
+    q, k, v, sinks = _inputs()
+    allowed = torch.ones(LQ, LK, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one-time notice of the reference fallback
+        got = torch.func.grad(lambda s: fasttrans.attention(q, k, v, sinks=s).sum())(sinks)
+    want = torch.func.grad(lambda s: _eager(q, k, v, s, allowed).sum())(sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_second_order_gradients_of_sinks_are_the_references():
+    """backward(create_graph=True): on the automatically selected backend the gradients are
+    the reference's, differentiable again (with a one-time warning); a backend asked for by
+    name refuses, as it does without sinks."""
+    q, k, v, sinks = (t.requires_grad_() for t in _inputs())
+    allowed = torch.ones(LQ, LK, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        (gs,) = torch.autograd.grad(fasttrans.attention(q, k, v, sinks=sinks).pow(2).sum(), sinks, create_graph=True)
+        (got,) = torch.autograd.grad(gs.sum(), q)
+    (ws,) = torch.autograd.grad(_eager(q, k, v, sinks, allowed).pow(2).sum(), sinks, create_graph=True)
+    (want,) = torch.autograd.grad(ws.sum(), q)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with fasttrans.use_backend("extension"), pytest.raises(fasttrans.backends.BackendUnavailableError,
+                                                           match="create_graph"):
+        torch.autograd.grad(fasttrans.attention(q, k, v, sinks=sinks).sum(), sinks, create_graph=True)
+
+
+def test_empty_batch_with_sinks():
+    q, k, v, sinks = _inputs()
+    out = fasttrans.attention(q[:0], k[:0], v[:0], sinks=sinks)
+    assert out.shape == (0, H, LQ, D)
