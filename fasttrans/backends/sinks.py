@@ -1,18 +1,20 @@
 """Attention sinks on any backend's attention kernels, which know nothing of them.
 
 A sink is one logit per query head that joins every row's softmax and attends to no value
-(gpt-oss's ``s_aux``): with ``lse`` the log-sum-exp of a row's scores and ``s`` its head's
-sink, ``lse' = logaddexp(lse, s)`` and the row's output is ``y = out * c`` with
-``c = exp(lse - lse')``, ``out`` being the kernels' attention without the sink.
+(gpt-oss's ``s_aux``). With ``lse`` the log-sum-exp of a row's scores and ``s`` its head's
+sink, the keys keep the share ``c = exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)`` of
+the row's weight, and the row's output is ``y = c out``, ``out`` being the kernels'
+attention without the sink.
 
 The backward needs no sink either. With ``P`` the kernels' probabilities (from ``lse``) the
 sink attention's are ``c P``, and the kernels' backward, given ``dout = c dy`` and
 ``out = y``, computes ``dV = P^T (c dy)``, ``D = rowsum(c dy * y)`` and
 ``dS = P (c dy V^T - D) = (c P)(dy V^T - rowsum(dy * y))``: the sink attention's gradients of
-q, k, v and a float mask, exactly. The sink's own is ``-sum_rows exp(s - lse') rowsum(dy * y)``.
-A row with no allowed key has ``lse = +inf`` (the backend interface's convention): there it
-is an empty sum, ``c = 0``, and the row's output and gradients are zeros, as in eager
-attention, where the sink takes all of the row's weight.
+q, k, v and a float mask, exactly. The sink's own is ``-sum_rows (1 - c) rowsum(dy * y)``.
+A row with no allowed key has ``lse = +inf`` (the backend interface's convention), so
+``c = 1``: its output and gradients stay the kernels' zeros, as in eager attention, where
+the sink takes all of the row's weight. The kernels' own ``lse`` goes back to their
+backward, so every backend's recomputation of a row's statistics stays consistent with it.
 """
 
 from __future__ import annotations
@@ -25,13 +27,10 @@ from .registry import BACKENDS, current_forced_backend
 
 
 def _fold(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """(y, c, lse') from the kernels' (out, lse) and the sinks (H,); c and lse' in lse's dtype
-    (fp32, fp64 for fp64 inputs), shaped (B, H, Lq)."""
-    inf = float("inf")
-    lse = lse.masked_fill(lse == inf, -inf)  # no allowed key: the log of an empty sum
-    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-    c = torch.exp(lse - with_sink)
-    return (out.to(c.dtype) * c.unsqueeze(-1)).to(out.dtype), c, with_sink
+    """(y, c): the output with the sinks (H,), and the keys' share of each row's weight,
+    (B, H, Lq) in lse's dtype (fp32, fp64 for fp64 inputs)."""
+    c = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+    return (out * c.unsqueeze(-1)).to(out.dtype), c
 
 
 def _ops(name: str):
@@ -56,8 +55,8 @@ class _SinkAttention(torch.autograd.Function):
                 forced):
         fwd, _ = _ops(name)
         out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
-        y, c, with_sink = _fold(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, y, lse, c, with_sink, attn_mask, sinks, key_lengths)
+        y, c = _fold(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, y, lse, c, attn_mask, sinks, key_lengths)
         ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
         ctx.name, ctx.forced = name, forced
         ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
@@ -65,7 +64,7 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, y, lse, c, with_sink, attn_mask, sinks, key_lengths = ctx.saved_tensors
+        q, k, v, y, lse, c, attn_mask, sinks, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
         nothing = (None,) * 8
         if torch.is_grad_enabled():  # backward(create_graph=True): the reference's, differentiable again
@@ -76,15 +75,14 @@ class _SinkAttention(torch.autograd.Function):
                 (q, k, v, attn_mask, sinks), ctx.needs_input_grad[:5], (dy,))
             return (*grads, *nothing)
         _, bwd = _ops(ctx.name)
-        dout = (dy.to(c.dtype) * c.unsqueeze(-1)).to(y.dtype).contiguous()
+        dout = (dy * c.unsqueeze(-1)).to(y.dtype).contiguous()
         dq, dk, dv, dmask = bwd(dout, q, k, v, y, lse, attn_mask, key_lengths, is_causal, causal_offset,
                                 dropout_p, scale, seed, ctx.mask_grad)
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
         dsinks = None
         if ctx.needs_input_grad[4]:
-            delta = (dy.to(c.dtype) * y.to(c.dtype)).sum(-1)  # (B, H, Lq): rowsum(dy * y)
-            weight = torch.exp(sinks.to(c.dtype).view(1, -1, 1) - with_sink)  # the sink's probability
-            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+            delta = torch.linalg.vecdot(dy.to(c.dtype), y.to(c.dtype))  # (B, H, Lq): rowsum(dy * y)
+            dsinks = ((c - 1) * delta).sum((0, 2)).to(sinks.dtype)  # 1 - c: the sink's weight
         return dq, dk, dv, dmask, dsinks, *nothing
 
 
