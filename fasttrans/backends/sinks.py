@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from .autograd import _check_second_order, _grad_with_graph, _below_autograd
+from .autograd import _below_autograd, _check_second_order, _grad_with_graph
+from .registration import ops_for
 from .registry import BACKENDS, current_forced_backend
 
 
@@ -30,7 +31,10 @@ def _fold(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     """(y, c): the output with the sinks (H,), and the keys' share of each row's weight,
     (B, H, Lq) in lse's dtype (fp32, fp64 for fp64 inputs)."""
     c = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
-    return (out * c.unsqueeze(-1)).to(out.dtype), c
+    y = out * c.unsqueeze(-1)
+    # no .to() to the dtype y has: it returns y itself, and torch 2.11's dynamo, given that
+    # as an autograd.Function's output, gives its inputs zero gradients
+    return (y if y.dtype == out.dtype else y.to(out.dtype)), c
 
 
 def _ops(name: str):
@@ -38,8 +42,6 @@ def _ops(name: str):
     arguments: the registered ops under torch.compile, else the implementation's methods
     (the extension's below their autograd key, as the eager route calls them)."""
     if torch.compiler.is_compiling():
-        from .registration import ops_for  # noqa: PLC0415 - registration imports this module's siblings
-
         fwd, bwd = ops_for(name)[:2]
         return fwd, bwd
     impl = BACKENDS[name].impl()
