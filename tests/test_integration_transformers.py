@@ -730,12 +730,26 @@ def test_gpt_oss_generates_eager_tokens(backend, one_thread):
     assert len({tuple(row) for row in new.tolist()}) > 1, f"the prompts gave the same tokens: {new}"
 
 
-def test_packed_sequences_with_sinks_raise_naming_s_aux():
-    q = torch.randn(1, 4, 6, 8)
-    cu = torch.tensor([0, 2, 6])
-    with pytest.raises(ValueError, match="s_aux"):
-        ftt.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(4), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                              max_length_q=4, max_length_k=4)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_packed_sequences_with_sinks_match_each_sequence_alone(backend):
+    """s_aux with packed sequences: each sequence as attention_forward gives it alone, its
+    gradients (the sinks' included) too."""
+    g = torch.Generator().manual_seed(0)
+    cu = _cumulative(PACKED)
+    q = torch.randn(1, 4, int(cu[-1]), 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, int(cu[-1]), 8, generator=g, requires_grad=True) for _ in range(2))
+    module = _SinkModule(4, 2)
+    with fasttrans.use_backend(backend):
+        got, _ = ftt.attention_forward(module, q, k, v, None, s_aux=module.sinks, cu_seq_lens_q=cu,
+                                       cu_seq_lens_k=cu, max_length_q=max(PACKED), max_length_k=max(PACKED))
+        want = torch.cat([ftt.attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
+                                                s_aux=module.sinks)[0] for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    _close(got, want, "packed attention with sinks")
+    grad = torch.randn(got.shape, generator=g)
+    inputs = (q, k, v, module.sinks)
+    for name, a, b in zip(("q", "k", "v", "sinks"), torch.autograd.grad(got, inputs, grad),
+                          torch.autograd.grad(want, inputs, grad)):
+        _close(a, b, f"grad of {name}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -248,7 +248,8 @@ def _padded_rows(cu: torch.Tensor, tokens: int, length: int) -> torch.Tensor:
     return sequence * length + (position - cu[sequence]).clamp_(0, max(length - 1, 0))
 
 
-def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: float, scaling) -> torch.Tensor:
+def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: float, scaling,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention within each of the sequences packed along the tokens of a batch of one
     (transformers' padding-free arguments ``cu_seq_lens_q`` / ``_k`` and ``max_length_q`` /
     ``_k``): the sequences are laid out padded, (sequences, H, longest, D), and run with
@@ -288,6 +289,7 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     out = FT.attention(
         padded(query, rows_q, H, Lq), padded(key, rows_k, Hkv, Lk), padded(value, rows_k, Hkv, Lk),
         key_lengths=len_k, is_causal=causal, dropout_p=dropout, scale=None if scaling is None else float(scaling),
+        sinks=sinks,
     )
     return out.transpose(1, 2).reshape(B * Lq, H, D).index_select(0, rows_q).unsqueeze(0)
 
@@ -337,11 +339,11 @@ def attention_forward(
                              "transformers' mask function puts the window; build the model with "
                              "attn_implementation='fasttrans' after fasttrans.integrations.transformers.register()")
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-            for name, given in (("position_bias", position_bias), ("s_aux", sinks)):
-                if given is not None:
-                    raise ValueError(f"{name}: packed sequences (cu_seq_lens_q) with {name} are not supported; "
-                                     "pad the batch instead")
-            return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling), None
+            if position_bias is not None:
+                raise ValueError("position_bias: packed sequences (cu_seq_lens_q) with a position bias are not "
+                                 "supported; pad the batch instead")
+            return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling,
+                                     None if sinks is None else _sinks(sinks, query)), None
     attn_mask, key_lengths, flag = None, None, False
     if attention_mask is None:
         flag = bool(causal)
