@@ -253,8 +253,9 @@ def _validate_attention_operands(q, k, v) -> None:
     if k.shape[0] != B or v.shape[0] != B:
         raise ShapeError(f"k, v: expected batch size {B} (from q), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     Hkv = k.shape[1]
-    if tuple(v.shape) != tuple(k.shape):
-        raise ShapeError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]) or v.shape[3] < 1:
+        raise ShapeError(f"v: expected the shape of k {tuple(k.shape)} but for its head dim (at least 1), got "
+                         f"{tuple(v.shape)}")
     if k.shape[3] != D:
         raise ShapeError(f"k: expected head dim {D} (from q), got shape {tuple(k.shape)}")
     if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):  # no heads at all (H = Hkv = 0) is empty
@@ -325,6 +326,9 @@ def attention(
     Args:
         q: (B, H, Lq, D) queries.
         k, v: (B, Hkv, Lk, D) keys and values; H must be a multiple of Hkv (grouped-query).
+            v may have another head dim Dv (multi-head latent attention's 192 / 128): the
+            smaller side is padded with zeros to the larger (one copy; the scores and the
+            default scale stay those of D), and the output has Dv.
         attn_mask: bool (True = may attend, as in F.scaled_dot_product_attention) or float
             (added to the scores), broadcastable to (B, H, Lq, Lk).
         key_lengths: (B,) integers; key positions >= key_lengths[b] are masked. Values
@@ -341,11 +345,16 @@ def attention(
             rescaled by the sink's share, and their backward takes the rescaled gradient.
 
     Returns:
-        (B, H, Lq, D) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
+        (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if sinks is not None:
+    if sinks is not None or (isinstance(v, torch.Tensor) and isinstance(k, torch.Tensor) and v.dim() == k.dim() == 4
+                             and v.shape[3] != k.shape[3]):
         _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
-        _validate_sinks(sinks, q)
+        if sinks is not None:
+            _validate_sinks(sinks, q)
+        if v.shape[3] != k.shape[3]:
+            return _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
+                                              scale, sinks)
         return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
                                       sinks)
     if (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
@@ -367,6 +376,20 @@ def attention(
                 return out[0]
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+
+
+def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks):
+    """Attention whose values have another head dim than the queries and keys: the kernels
+    take one head dim, so the smaller side gets zeros up to the larger, which change no score
+    (the scale stays that of q's head dim) and no output column kept."""
+    D, Dv = q.shape[3], v.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if Dv < D:
+        v = torch.nn.functional.pad(v, (0, D - Dv))
+    else:
+        q, k = torch.nn.functional.pad(q, (0, Dv - D)), torch.nn.functional.pad(k, (0, Dv - D))
+    out = attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks)
+    return out[..., :Dv].contiguous() if Dv < D else out
 
 
 def _validate_sinks(sinks, q) -> None:

@@ -286,7 +286,7 @@ QKV = {"q", "k", "v"}
 ATTENTION_CORRUPTIONS = {
     "q_rank3": QKV, "q_rank5": QKV, "q_rank0": QKV, "k_rank3": QKV, "v_rank5": QKV,
     "q_int": QKV, "q_bool": QKV, "q_complex": QKV, "all_int": QKV, "k_other_float": QKV, "v_other_float": QKV,
-    "k_batch": QKV, "k_head_dim": QKV, "v_len": QKV, "v_dim": QKV, "heads_not_dividing": QKV,
+    "k_batch": QKV, "k_head_dim": QKV, "v_len": QKV, "heads_not_dividing": QKV,
     "kv_heads_zero": QKV, "head_dim_zero": QKV,
     "q_meta": QKV, "k_meta": QKV, "v_meta": QKV, "q_sparse": QKV, "v_sparse": QKV, "q_list": QKV, "k_none": QKV,
     "mask_shape": {"attn_mask"}, "mask_rank5": {"attn_mask"}, "mask_int": {"attn_mask"},
@@ -329,6 +329,8 @@ def attention_cases(draw, corruption=None):
         B=draw(st.sampled_from([1, 2, 3, 0])), H=H, Hkv=Hkv,
         Lq=draw(st.sampled_from([1, 2, 3, 5, 9, 0])), Lk=draw(st.sampled_from([1, 2, 4, 7, 17, 0])),
         D=draw(st.sampled_from([1, 2, 3, 8, 16, 17, 257] if dtype in (F32, F64) else [1, 2, 8, 16, 17])),
+        # v's head dim minus q's and k's (valid: the smaller side is padded)
+        Dv_extra=draw(st.sampled_from([0, 0, 0, 0, 1, -1, 5])),
         layouts=[draw(st.sampled_from(LAYOUTS)) for _ in range(3)],
         mask=None, key_lengths=None,
         is_causal=draw(st.booleans()), causal_offset=draw(st.sampled_from(OFFSETS)),
@@ -376,8 +378,8 @@ def _attention_args(case):
     mag = case["magnitude"]
     q = _tensor(g, (B, H, Lq, D), qdt, case["layouts"][0], mag)
     k = _tensor(g, (B + ("k_batch" in c), Hkv, Lk, D + ("k_head_dim" in c)), kdt, case["layouts"][1], mag)
-    v = _tensor(g, (B + ("k_batch" in c), Hkv, Lk + ("v_len" in c), D + ("k_head_dim" in c) + ("v_dim" in c)),
-                vdt, case["layouts"][2])
+    Dv = max(1, D + case["Dv_extra"]) if D > 0 else D
+    v = _tensor(g, (B + ("k_batch" in c), Hkv, Lk + ("v_len" in c), Dv + ("k_head_dim" in c)), vdt, case["layouts"][2])
     special = case["special"]
     if special and q.dtype.is_floating_point and min(q.numel(), k.numel(), v.numel()) > 0:
         _set_one(g, {"q": q, "k": k, "v": v}[special[0]], {"inf": math.inf, "nan": math.nan}[special[2:]])

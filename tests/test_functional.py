@@ -1,5 +1,6 @@
 """fasttrans.functional: validation, backend selection and the torch.library registration."""
 
+import math
 import re
 import warnings
 
@@ -381,6 +382,46 @@ def test_matches_sdpa_and_float_mask_gradient():
     expected_grads = torch.autograd.grad(expected, (q, k, v, mask), g)
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", backend_params("attention"))
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("Dv", [3, 13], ids=["smaller-v", "larger-v"])
+def test_values_with_another_head_dim(Dv, with_sinks, backend):
+    """Values whose head dim differs from the queries' and keys' (multi-head latent
+    attention's 192 / 128): softmax(q k^T / sqrt(D) + masks) v, the output with v's head dim;
+    outputs and the gradients of q, k, v, a float mask (and sinks), with grouped-query heads,
+    key lengths and a causal offset, on every backend."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 8
+    leaves = [torch.randn(B, H, Lq, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g),
+              torch.randn(B, Hkv, Lk, Dv, generator=g), torch.randn(B, 1, Lq, Lk, generator=g),
+              torch.randn(H, generator=g)]
+    lengths = torch.tensor([7, 4])
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq) & (torch.arange(Lk) < lengths.view(B, 1, 1, 1))
+    dy = torch.randn(B, H, Lq, Dv, generator=g)
+
+    def ours(q, k, v, bias, sinks):
+        return fasttrans.attention(q, k, v, attn_mask=bias, key_lengths=lengths, is_causal=True,
+                                   causal_offset=Lk - Lq, sinks=sinks if with_sinks else None)
+
+    def formula(q, k, v, bias, sinks):
+        s = (q @ k.repeat_interleave(H // Hkv, 1).transpose(2, 3) / D ** 0.5 + bias).masked_fill(~allowed, -math.inf)
+        if with_sinks:
+            s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, Lq, 1)], -1)
+        return s.softmax(-1)[..., :Lk] @ v.repeat_interleave(H // Hkv, 1)
+
+    results = []
+    for fn in (ours, formula):
+        ts = [t.detach().clone().requires_grad_() for t in leaves]
+        with fasttrans.use_backend(backend):
+            out = fn(*ts)
+        results.append((out, torch.autograd.grad(out, ts if with_sinks else ts[:4], dy)))
+    (got, got_grads), (want, want_grads) = results
+    assert got.shape == (B, H, Lq, Dv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("q", "k", "v", "attn_mask", "sinks"), got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 # torch 2.11's SDPA kills the process (SIGFPE, an integer division by zero) given no heads at

@@ -161,10 +161,13 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
 # masks, scaling and head layout (partial rotary, QK norms, local layers, GQA), and apply()
 # must leave only norms that compute something else.
 _MOE_DECODERS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "minimax",
-                 "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss"]
+                 "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
+# multi-head latent attention: queries and keys of 16 dims (8 of them rotary, as head_dim), values of 12
+_MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=12, n_group=1, topk_group=1)
 _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_text", "cohere", "olmo", "olmo2",
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
-                  "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium",
+                  "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium", "minicpm3",
                   *_MOE_DECODERS]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
 # the norms apply() reports and leaves, by class (none: every family's norms are replaced)
@@ -177,8 +180,10 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_ke
 # make the output jump where two experts' router scores tie, and rounding alone could cross one.
 _MOE_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MOE_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
-# per family: gpt-oss's sliding-window layers with a window shorter than the inputs
-_OWN = {"gpt_oss": dict(sliding_window=4)}
+# per family: gpt-oss's sliding-window layers with a window shorter than the inputs; the
+# latent attention's dims
+_OWN = {"gpt_oss": dict(sliding_window=4),
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"), _MLA)}
 # (intermediate_size: torch._grouped_mm, which runs some families' experts, needs rows of a multiple of 16 bytes)
 _MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=16, intermediate_size=40,
             shared_expert_intermediate_size=16)

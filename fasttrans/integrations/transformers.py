@@ -279,19 +279,20 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
                                  f"longer than max_length ({longest}), got {cu.tolist()}")
         if causal and kwargs["cu_seq_lens_q"] is not kwargs["cu_seq_lens_k"] and not torch.equal(cu_q, cu_k):
             raise ValueError("cu_seq_lens_k: causal packed sequences need the same lengths for queries and keys")
-    B, H, D, Hkv = cu_q.numel() - 1, query.shape[1], query.shape[3], key.shape[1]
+    B, H, Hkv = cu_q.numel() - 1, query.shape[1], key.shape[1]
     rows_q, rows_k = _padded_rows(cu_q, Nq, Lq), _padded_rows(cu_k, Nk, Lk)
 
-    def padded(x, rows, heads, length):  # (1, heads, N, D) -> (B, heads, length, D)
-        out = x.new_zeros(B * length, heads, D).index_copy(0, rows, x[0].transpose(0, 1))
-        return out.view(B, length, heads, D).transpose(1, 2)
+    def padded(x, rows, heads, length):  # (1, heads, N, d) -> (B, heads, length, d)
+        d = x.shape[3]  # the values' head dim may differ (multi-head latent attention)
+        out = x.new_zeros(B * length, heads, d).index_copy(0, rows, x[0].transpose(0, 1))
+        return out.view(B, length, heads, d).transpose(1, 2)
 
     out = FT.attention(
         padded(query, rows_q, H, Lq), padded(key, rows_k, Hkv, Lk), padded(value, rows_k, Hkv, Lk),
         key_lengths=len_k, is_causal=causal, dropout_p=dropout, scale=None if scaling is None else float(scaling),
         sinks=sinks,
     )
-    return out.transpose(1, 2).reshape(B * Lq, H, D).index_select(0, rows_q).unsqueeze(0)
+    return out.transpose(1, 2).reshape(B * Lq, H, out.shape[3]).index_select(0, rows_q).unsqueeze(0)
 
 
 def _sinks(sinks, query: torch.Tensor) -> torch.Tensor:
