@@ -718,13 +718,15 @@ def test_attention_sinks_match_gpt_oss_eager(mask, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gpt_oss_generates_eager_tokens(backend, one_thread):
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_newer_families_generate_eager_tokens(family, backend, one_thread):
     """gpt-oss (sinks, sliding-window layers whose cache keeps the last 4 keys, GQA, experts)
+    and DeepSeek-V3 (latent attention: values of another head dim than the keys, experts)
     with left-padded prompts and a key/value cache: eager's tokens."""
-    model = _small_model("gpt_oss", causal=True)
+    model = _small_model(family, causal=True)
     twin, skipped = ftt.apply(copy.deepcopy(model))
     assert skipped == []
-    kw, _ = _inputs("gpt_oss", left=True)
+    kw, _ = _inputs(family, left=True)
     gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
                min_new_tokens=6)
     want = model.generate(**kw, **gen)
