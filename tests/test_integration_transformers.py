@@ -290,14 +290,20 @@ def test_generate_gives_eager_tokens(family, backend, one_thread):
     if family in ENC_DEC:  # the encoder's padding on the right, as tokenizers pad it
         kw, _ = _inputs(family, left=False)
         kw.pop("decoder_input_ids")
+    _same_tokens(model, twin, kw, backend, 4)
+
+
+def _same_tokens(model, twin, kw: dict, backend: str, tokens: int) -> None:
+    """Greedy generate() with the key/value cache: the twin on ``backend`` gives the model's
+    tokens, and the prompts do not all give the same ones."""
     # pad and bos suppressed, eos held off: every step picks among the other tokens (a random model may prefer those)
-    gen = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
-               min_new_tokens=4)
+    gen = dict(max_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
+               min_new_tokens=tokens)
     want = model.generate(**kw, **gen)
     with fasttrans.use_backend(backend):
         got = twin.generate(**kw, **gen)
     assert torch.equal(got, want), (got, want)
-    new = want[:, -gen["max_new_tokens"]:]
+    new = want[:, -tokens:]
     assert len({tuple(row) for row in new.tolist()}) > 1, f"the prompts gave the same tokens: {new}"
 
 
@@ -726,15 +732,7 @@ def test_newer_families_generate_eager_tokens(family, backend, one_thread):
     model = _small_model(family, causal=True)
     twin, skipped = ftt.apply(copy.deepcopy(model))
     assert skipped == []
-    kw, _ = _inputs(family, left=True)
-    gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, suppress_tokens=[0, 1],
-               min_new_tokens=6)
-    want = model.generate(**kw, **gen)
-    with fasttrans.use_backend(backend):
-        got = twin.generate(**kw, **gen)
-    assert torch.equal(got, want), (got, want)
-    new = want[:, -gen["max_new_tokens"]:]
-    assert len({tuple(row) for row in new.tolist()}) > 1, f"the prompts gave the same tokens: {new}"
+    _same_tokens(model, twin, _inputs(family, left=True)[0], backend, 6)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
