@@ -463,7 +463,9 @@ def _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_off
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
     args = (q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
-    if (q.numel() == 0 or _on_reference_for_head_dim(q.shape[3])
+    # under any torch.func transform (vmap too, where a batched input hides its requires_grad
+    # from the route below) the reference's PyTorch ops keep the graph
+    if (q.numel() == 0 or _on_reference_for_head_dim(q.shape[3]) or _functorch.maybe_current_level() is not None
             or _on_reference_under_transform("attention", q, k, v, attn_mask, sinks)):
         return backends.reference_impl().attention_with_sinks(*args)
     name = (_selected_backend("attention", str(q.device), q.dtype) if _is_compiling()

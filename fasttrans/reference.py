@@ -155,7 +155,9 @@ def attention_with_lse(
     if sinks is not None:
         B, H, Lq, _ = s.shape
         column = sinks.to(s.dtype).view(1, H, 1, 1).expand(B, H, Lq, 1)
-        lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)  # finite: the sink is always there
+        lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)
+        # a sink of -inf on a row with no allowed key leaves nothing: +inf, as without sinks
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
         p = torch.exp(s - lse.unsqueeze(-1))
     else:
         lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf on fully masked rows

@@ -12,7 +12,7 @@ import torch
 
 import fasttrans
 from fasttrans import functional
-from fasttrans.functional import DTypeError, ShapeError
+from fasttrans.functional import DeviceError, DTypeError, ShapeError
 from conftest import backend_params
 from helpers import assert_close_lowp
 
@@ -113,9 +113,14 @@ def test_sinks_with_dropout_use_the_backends_keep_mask(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sinks_dtype", ["q's", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_sinks_in_half_precision_by_the_2x_rule(dtype, backend):
+def test_sinks_in_half_precision_by_the_2x_rule(dtype, sinks_dtype, backend):
+    """Half-precision inputs, the sinks in their dtype or in float32 (each gradient in its
+    input's dtype)."""
     q, k, v, sinks = _inputs(dtype)
+    if sinks_dtype == "float32":
+        sinks = _inputs()[3]
     kw, allowed, _ = _mask("bool")
     dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)
     with fasttrans.use_backend(backend):
@@ -124,7 +129,7 @@ def test_sinks_in_half_precision_by_the_2x_rule(dtype, backend):
     ref, ref_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, allowed),
                                  [t.double() for t in (q, k, v, sinks)], dy.double())
     base, base_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, allowed), (q, k, v, sinks), dy)
-    assert got.dtype == dtype and got_grads[3].dtype == dtype
+    assert got.dtype == dtype and got_grads[3].dtype == sinks.dtype
     assert_close_lowp("out", got, ref, base)
     for name, a, r, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, ref_grads, base_grads):
         assert_close_lowp(name, a, r, b)
@@ -144,8 +149,38 @@ def test_bad_sinks_raise_naming_them(sinks, error, what):
 
 def test_sinks_on_another_device_raise_naming_them():
     q, k, v, sinks = _inputs()
-    with pytest.raises(Exception, match="sinks"):
+    with pytest.raises(DeviceError, match="sinks"):
         fasttrans.attention(q, k, v, sinks=sinks.to("meta"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_sinks(backend):
+    """A sink of -inf is no sink; one of +inf takes every row's weight: zeros. A row that
+    sees no key gives zeros with either, never NaN."""
+    q, k, v, _ = _inputs()
+    kw, _, _ = _mask("key_lengths")  # the first sequence sees no key
+    with fasttrans.use_backend(backend):
+        plain = fasttrans.attention(q, k, v, **kw)
+        none = fasttrans.attention(q, k, v, sinks=torch.full((H,), -torch.inf), **kw)
+        everything = fasttrans.attention(q, k, v, sinks=torch.full((H,), torch.inf), **kw)
+    torch.testing.assert_close(none, plain, rtol=1e-6, atol=1e-6)
+    assert (everything == 0).all()
+
+
+def test_sinks_under_vmap_keep_the_graph():
+    """torch.vmap hides a batched input's requires_grad from the eager route: the gradients
+    must still reach q and the sinks."""
+    q, k, v, sinks = (t.requires_grad_() for t in _inputs())
+    allowed = torch.ones(LQ, LK, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = torch.vmap(lambda q, k, v: fasttrans.attention(q[None], k[None], v[None], sinks=sinks)[0])(q, k, v)
+    want = _eager(q, k, v, sinks, allowed)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got_grads = torch.autograd.grad(out.sum(), (q, sinks))
+    want_grads = torch.autograd.grad(want.sum(), (q, sinks))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -31,6 +31,7 @@ ATTENTION_ERRORS = [
     ("k dtype", dict(k=k0.double()), DTypeError, "k"),
     ("batch", dict(k=k0[:1], v=v0[:1]), ShapeError, "k"),
     ("v shape", dict(v=v0[:, :, :3]), ShapeError, "v"),
+    ("v head dim 0", dict(v=v0[..., :0]), ShapeError, "v"),
     ("head dim", dict(k=k0[..., :4], v=v0[..., :4]), ShapeError, "k"),
     ("heads", dict(k=torch.randn(2, 3, 7, 8), v=torch.randn(2, 3, 7, 8)), ShapeError, "heads"),
     ("no kv heads", dict(k=k0[:, :0], v=v0[:, :0]), ShapeError, "kv heads"),

@@ -30,7 +30,8 @@ from .registry import BACKENDS, current_forced_backend
 def _fold(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     """(y, c): the output with the sinks (H,), and the keys' share of each row's weight,
     (B, H, Lq) in lse's dtype (fp32, fp64 for fp64 inputs)."""
-    c = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+    # a row with no allowed key (lse = +inf) keeps c = 1 (zeros) even against a sink of +inf
+    c = torch.sigmoid(lse.clamp(max=torch.finfo(lse.dtype).max) - sinks.to(lse.dtype).view(1, -1, 1))
     y = out * c.unsqueeze(-1)
     # no .to() to the dtype y has: it returns y itself, and torch 2.11's dynamo, given that
     # as an autograd.Function's output, gives its inputs zero gradients

@@ -322,8 +322,8 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface on ``fasttrans.attention``.
 
-    query (B, H, Lq, D), key and value (B, Hkv, Lk, D) (grouped-query heads go through as
-    they are); returns ((B, Lq, H, D), None). Attention sinks (``s_aux``, one logit per
+    query (B, H, Lq, D), key (B, Hkv, Lk, D) and value (B, Hkv, Lk, Dv) (grouped-query heads
+    go through as they are; Dv may differ from D); returns ((B, Lq, H, Dv), None). Attention sinks (``s_aux``, one logit per
     query head) go to ``fasttrans.attention``'s ``sinks``. Arguments the kernels cannot
     honour raise ValueError naming them.
     """
@@ -465,10 +465,11 @@ def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
             return None, None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,)"
         hidden = m.weight.shape[0]
     else:
-        shape = getattr(m, "normalized_shape", getattr(m, "hidden_size", getattr(m, "dim", None)))
-        shape = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
-        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int)):
-            return None, None, "it has no weight, nor a normalized_shape of one dimension"
+        shape = getattr(m, "normalized_shape", getattr(m, "hidden_size", None))
+        shape = (shape,) if isinstance(shape, int) else shape
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int)
+                and not isinstance(shape[0], bool) and shape[0] >= 1):
+            return None, None, "it has no weight, nor a normalized_shape of one positive size"
         hidden = int(shape[0])
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if eps is None and not own_params:
