@@ -339,10 +339,11 @@ def attention(
         causal_offset: diagonal offset; Lk - Lq gives bottom-right alignment (decoding).
         dropout_p: dropout probability on the attention weights (1 drops every weight: zeros).
         scale: score scale; default 1/sqrt(D).
-        sinks: (H,) float, one attention-sink logit per query head (gpt-oss's): it joins
-            every row's softmax, after the scale and the masks, and its weight goes to no
-            value; it gets a gradient. Any backend: the kernels' output and log-sum-exp are
-            rescaled by the sink's share, and their backward takes the rescaled gradient.
+        sinks: (H,) float, one attention-sink logit per query head (gpt-oss's), or one per
+            query row, broadcastable to (B, H, Lq): it joins the row's softmax, after the
+            scale and the masks, and its weight goes to no value; it gets a gradient. Any
+            backend: the kernels' output and log-sum-exp are rescaled by the sink's share,
+            and their backward takes the rescaled gradient.
 
     Returns:
         (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
@@ -393,11 +394,14 @@ def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causa
 
 
 def _validate_sinks(sinks, q) -> None:
-    _check_tensor("sinks", sinks, 1)
+    _check_tensor("sinks", sinks)
     _check_float("sinks", sinks)
     _check_device("sinks", sinks, q.device)
-    if sinks.shape[0] != q.shape[1]:
-        raise ShapeError(f"sinks: expected one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+    B, H, Lq, _ = q.shape
+    rows = sinks.dim() == 3 and all(s in (1, t) for s, t in zip(sinks.shape, (B, H, Lq)))
+    if not (rows or tuple(sinks.shape) == (H,)):
+        raise ShapeError(f"sinks: expected one logit per query head, shape ({H},), or per query row, a shape "
+                         f"broadcastable to (B, H, Lq) = {(B, H, Lq)}, got {tuple(sinks.shape)}")
 
 
 def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks=None):

@@ -144,9 +144,10 @@ def attention_with_lse(
     entries of ``dropout_mask`` and rescales them by 1 / (1 - dropout_p). A row with no
     allowed key has output 0 and log-sum-exp +inf (so exp(s - lse) recomputes to 0).
 
-    ``sinks`` (H,): one more logit per query head in every row's softmax, whose weight goes
-    to no value (gpt-oss's attention sinks); the log-sum-exp includes it, and a row with no
-    allowed key gives the sink all its weight: output 0.
+    ``sinks`` (H,), or broadcastable to (B, H, Lq): one more logit per query head (or row) in
+    every row's softmax, whose weight goes to no value (gpt-oss's attention sinks); the
+    log-sum-exp includes it, and a row with no allowed key gives the sink all its weight:
+    output 0.
 
     ``upcast=False`` computes everything in the input dtype: the "same-precision PyTorch"
     baseline of the low-precision error rule used by the tests.
@@ -154,7 +155,8 @@ def attention_with_lse(
     s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast)
     if sinks is not None:
         B, H, Lq, _ = s.shape
-        column = sinks.to(s.dtype).view(1, H, 1, 1).expand(B, H, Lq, 1)
+        rows = sinks.view(1, H, 1) if sinks.dim() == 1 else sinks  # (H,): one per head
+        column = rows.to(s.dtype).unsqueeze(-1).expand(B, H, Lq, 1)
         lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)
         # a sink of -inf on a row with no allowed key leaves nothing: +inf, as without sinks
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)

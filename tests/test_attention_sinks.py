@@ -28,7 +28,8 @@ def _eager(q, k, v, sinks, allowed, bias=None, keep=None, p=0.0):
     if bias is not None:
         s = s + bias
     s = s.masked_fill(~allowed, float("-inf"))
-    column = sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1).to(s.dtype)
+    rows = sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks  # (H,): one per head
+    column = rows.unsqueeze(-1).expand(*s.shape[:3], 1).to(s.dtype)
     w = torch.cat([s, column], -1).softmax(-1)[..., :-1]
     if keep is not None:
         w = w * keep / (1 - p)
@@ -135,9 +136,29 @@ def test_sinks_in_half_precision_by_the_2x_rule(dtype, sinks_dtype, backend):
         assert_close_lowp(name, a, r, b)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(B, H, LQ), (1, H, LQ), (B, 1, 1)], ids=["per-row", "per-head-row", "per-sequence"])
+def test_sinks_per_query_row(shape, backend):
+    """Sinks broadcastable to (B, H, Lq), one per query row (Inkling 2's): output and the
+    gradients of q, k, v and the sinks, summed over the rows each sink serves."""
+    q, k, v, _ = _inputs()
+    sinks = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 2
+    kw, allowed, _ = _mask("bool")
+    dy = torch.randn(B, H, LQ, D, generator=torch.Generator().manual_seed(7))
+    want, want_grads = _with_grads(lambda q, k, v, s: _eager(q, k, v, s, allowed), (q, k, v, sinks), dy)
+    with fasttrans.use_backend(backend):
+        got, got_grads = _with_grads(lambda q, k, v, s: fasttrans.attention(q, k, v, sinks=s, **kw),
+                                     (q, k, v, sinks), dy)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_grads[3].shape == shape
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sinks, error, what", [
     (torch.zeros(3), ShapeError, r"\(4,\)"),
-    (torch.zeros(4, 1), ShapeError, "1-D"),
+    (torch.zeros(4, 1), ShapeError, r"\(B, H, Lq\)"),
+    (torch.zeros(B, H, LQ + 1), ShapeError, r"\(B, H, Lq\)"),
     (torch.zeros(4, dtype=torch.int64), DTypeError, "float"),
     ([0.0] * 4, TypeError, "Tensor"),
 ])

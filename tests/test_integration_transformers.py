@@ -161,7 +161,8 @@ def test_logits_and_gradients_match_eager(family, left, backend, one_thread):
 # masks, scaling and head layout (partial rotary, QK norms, local layers, GQA), and apply()
 # must leave only norms that compute something else.
 _MOE_DECODERS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "minimax",
-                 "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
+                 "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
+                 "inkling2_text"]
 # multi-head latent attention: queries and keys of 16 dims (8 of them rotary, as head_dim), values of 12
 _MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=12, n_group=1, topk_group=1)
@@ -170,8 +171,8 @@ _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_t
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium", "minicpm3",
                   *_MOE_DECODERS]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
-# the norms apply() reports and leaves, by class (none: every family's norms are replaced)
-_NORMS_KEPT: dict[str, set] = {}
+# the norms apply() reports and leaves, by class: a norm that holds no size
+_NORMS_KEPT = {"inkling2_text": {"Inkling2UnweightedRMSNorm"}}
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
@@ -736,22 +737,30 @@ def test_newer_families_generate_eager_tokens(family, backend, one_thread):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_packed_sequences_with_sinks_match_each_sequence_alone(backend):
-    """s_aux with packed sequences: each sequence as attention_forward gives it alone, its
-    gradients (the sinks' included) too."""
+@pytest.mark.parametrize("per_row", [False, True], ids=["s_aux", "sinks-per-row"])
+def test_packed_sequences_with_sinks_match_each_sequence_alone(per_row, backend):
+    """Sinks with packed sequences (s_aux per head; sinks per query row, laid out with the
+    queries): each sequence as attention_forward gives it alone, its gradients (the sinks'
+    included) too."""
     g = torch.Generator().manual_seed(0)
     cu = _cumulative(PACKED)
     q = torch.randn(1, 4, int(cu[-1]), 8, generator=g, requires_grad=True)
     k, v = (torch.randn(1, 2, int(cu[-1]), 8, generator=g, requires_grad=True) for _ in range(2))
     module = _SinkModule(4, 2)
+    sinks = torch.randn(1, 4, int(cu[-1]), 1, generator=g, requires_grad=True) if per_row else module.sinks
+    name = "sinks" if per_row else "s_aux"
+
+    def own(a, b):  # a sequence's sinks
+        return {name: sinks[:, :, a:b] if per_row else sinks}
+
     with fasttrans.use_backend(backend):
-        got, _ = ftt.attention_forward(module, q, k, v, None, s_aux=module.sinks, cu_seq_lens_q=cu,
-                                       cu_seq_lens_k=cu, max_length_q=max(PACKED), max_length_k=max(PACKED))
+        got, _ = ftt.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                       max_length_q=max(PACKED), max_length_k=max(PACKED), **{name: sinks})
         want = torch.cat([ftt.attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
-                                                s_aux=module.sinks)[0] for a, b in zip(cu[:-1], cu[1:])], dim=1)
+                                                **own(a, b))[0] for a, b in zip(cu[:-1], cu[1:])], dim=1)
     _close(got, want, "packed attention with sinks")
     grad = torch.randn(got.shape, generator=g)
-    inputs = (q, k, v, module.sinks)
+    inputs = (q, k, v, sinks)
     for name, a, b in zip(("q", "k", "v", "sinks"), torch.autograd.grad(got, inputs, grad),
                           torch.autograd.grad(want, inputs, grad)):
         _close(a, b, f"grad of {name}")
@@ -766,6 +775,7 @@ class _Module(torch.nn.Module):
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"softcap": 50.0}, "softcap"), ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"sinks": torch.zeros(1, 4, 8, 1), "s_aux": torch.zeros(4)}, "s_aux, sinks"),
     ({"s_aux": torch.zeros(3)}, "s_aux"), ({"s_aux": torch.zeros(4, dtype=torch.long)}, "s_aux"),
     ({"s_aux": [0.0] * 4}, "s_aux"),
     ({"output_attentions": True}, "output_attentions"), ({"sliding_window": 4}, "sliding_window"),

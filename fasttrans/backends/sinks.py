@@ -27,11 +27,16 @@ from .registration import ops_for
 from .registry import BACKENDS, current_forced_backend
 
 
+def _rows(sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks as a tensor broadcastable to (B, H, Lq): (H,) is one per head."""
+    return sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks
+
+
 def _fold(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """(y, c): the output with the sinks (H,), and the keys' share of each row's weight,
-    (B, H, Lq) in lse's dtype (fp32, fp64 for fp64 inputs)."""
+    """(y, c): the output with the sinks ((H,), or broadcastable to (B, H, Lq)), and the keys'
+    share of each row's weight, (B, H, Lq) in lse's dtype (fp32, fp64 for fp64 inputs)."""
     # a row with no allowed key (lse = +inf) keeps c = 1 (zeros) even against a sink of +inf
-    c = torch.sigmoid(lse.clamp(max=torch.finfo(lse.dtype).max) - sinks.to(lse.dtype).view(1, -1, 1))
+    c = torch.sigmoid(lse.clamp(max=torch.finfo(lse.dtype).max) - _rows(sinks).to(lse.dtype))
     y = out * c.unsqueeze(-1)
     # no .to() to the dtype y has: it returns y itself, and torch 2.11's dynamo, given that
     # as an autograd.Function's output, gives its inputs zero gradients
@@ -85,14 +90,16 @@ class _SinkAttention(torch.autograd.Function):
         dsinks = None
         if ctx.needs_input_grad[4]:
             delta = torch.linalg.vecdot(dy.to(c.dtype), y.to(c.dtype))  # (B, H, Lq): rowsum(dy * y)
-            dsinks = ((c - 1) * delta).sum((0, 2)).to(sinks.dtype)  # 1 - c: the sink's weight
+            # 1 - c is the sink's weight; summed over the rows a sink serves
+            dsinks = ((c - 1) * delta).sum_to_size(_rows(sinks).shape).view(sinks.shape).to(sinks.dtype)
         return dq, dk, dv, dmask, dsinks, *nothing
 
 
 def attention_with_sinks(name: str, q, k, v, attn_mask, sinks, key_lengths, is_causal: bool, causal_offset: int,
                          dropout_p: float, scale: float, seed: int) -> torch.Tensor:
-    """Backend ``name``'s attention with one sink logit per query head, ``sinks`` (H,); the
-    other arguments are the registered forward op's, already valid. Returns (B, H, Lq, D)."""
+    """Backend ``name``'s attention with sink logits ``sinks``, (H,) or broadcastable to
+    (B, H, Lq); the other arguments are the registered forward op's, already valid. Returns
+    (B, H, Lq, D)."""
     if name == "reference":  # the oracle computes the sinks as eager attention does
         return reference.ReferenceImpl.attention_with_sinks(
             q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)

@@ -71,7 +71,6 @@ SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range 
 # keyword arguments of transformers' attention interface that the kernels cannot honour
 _UNSUPPORTED = {
     "softcap": "logit soft-capping (Gemma 2, Grok)",
-    "sinks": "attention sinks under that name (transformers passes a sink logit per head as s_aux)",
     "head_mask": "head masks",
 }
 
@@ -287,6 +286,8 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
         out = x.new_zeros(B * length, heads, d).index_copy(0, rows, x[0].transpose(0, 1))
         return out.view(B, length, heads, d).transpose(1, 2)
 
+    if sinks is not None and sinks.dim() == 3:  # one per query row: laid out as the queries are
+        sinks = padded(sinks.expand(1, H, Nq).unsqueeze(-1), rows_q, H, Lq).squeeze(-1)
     out = FT.attention(
         padded(query, rows_q, H, Lq), padded(key, rows_k, Hkv, Lk), padded(value, rows_k, Hkv, Lk),
         key_lengths=len_k, is_causal=causal, dropout_p=dropout, scale=None if scaling is None else float(scaling),
@@ -295,18 +296,31 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     return out.transpose(1, 2).reshape(B * Lq, H, out.shape[3]).index_select(0, rows_q).unsqueeze(0)
 
 
-def _sinks(sinks, query: torch.Tensor) -> torch.Tensor:
-    """``s_aux`` (gpt-oss's attention sinks, one logit per query head), checked under the name
-    the model passes it by."""
-    H = query.shape[1]
-    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
-        got = (f"a {sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor)
-               else type(sinks).__name__)
-        raise ValueError(f"s_aux: expected a floating-point tensor of shape ({H},), one sink logit per query "
-                         f"head, got {got}")
-    if sinks.device != query.device:
-        raise ValueError(f"s_aux: expected a tensor on {query.device}, like the queries, got one on {sinks.device}")
-    return sinks
+def _sinks(kwargs: dict, query: torch.Tensor) -> torch.Tensor | None:
+    """The attention sinks a model passes, as ``fasttrans.attention`` takes them: ``s_aux``,
+    one logit per query head (gpt-oss), or ``sinks``, one per query row, (B, H, Lq, 1)
+    (Inkling 2); checked under the name the model passes them by."""
+    B, H, Lq, _ = query.shape
+    for name, rows in (("s_aux", False), ("sinks", True)):
+        given = kwargs.get(name)
+        if given is None:
+            continue
+        if kwargs.get("sinks" if name == "s_aux" else "s_aux") is not None:
+            raise ValueError("s_aux, sinks: expected one kind of attention sinks, got both")
+        want = f"(B, H, Lq, 1) = {(B, H, Lq, 1)}, one sink logit per query row" if rows else \
+            f"({H},), one sink logit per query head"
+        ok = isinstance(given, torch.Tensor) and given.is_floating_point() and (
+            given.dim() == 4 and given.shape[3] == 1 and all(s in (1, t) for s, t in zip(given.shape, (B, H, Lq)))
+            if rows else given.shape == (H,))
+        if not ok:
+            got = (f"a {given.dtype} tensor of shape {tuple(given.shape)}" if isinstance(given, torch.Tensor)
+                   else type(given).__name__)
+            raise ValueError(f"{name}: expected a floating-point tensor of shape {want}, got {got}")
+        if given.device != query.device:
+            raise ValueError(f"{name}: expected a tensor on {query.device}, like the queries, got one on "
+                             f"{given.device}")
+        return given.squeeze(-1) if rows else given
+    return None
 
 
 def attention_forward(
@@ -323,12 +337,13 @@ def attention_forward(
     """transformers' attention interface on ``fasttrans.attention``.
 
     query (B, H, Lq, D), key (B, Hkv, Lk, D) and value (B, Hkv, Lk, Dv) (grouped-query heads
-    go through as they are; Dv may differ from D); returns ((B, Lq, H, Dv), None). Attention sinks (``s_aux``, one logit per
-    query head) go to ``fasttrans.attention``'s ``sinks``. Arguments the kernels cannot
-    honour raise ValueError naming them.
+    go through as they are; Dv may differ from D); returns ((B, Lq, H, Dv), None). Attention
+    sinks (``s_aux``, one logit per query head; ``sinks``, one per query row) go to
+    ``fasttrans.attention``'s ``sinks``. Arguments the kernels cannot honour raise
+    ValueError naming them.
     """
     _reject_unsupported(module, kwargs)
-    sinks = kwargs.get("s_aux")
+    sinks = _sinks(kwargs, query)
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -343,8 +358,7 @@ def attention_forward(
             if position_bias is not None:
                 raise ValueError("position_bias: packed sequences (cu_seq_lens_q) with a position bias are not "
                                  "supported; pad the batch instead")
-            return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling,
-                                     None if sinks is None else _sinks(sinks, query)), None
+            return _packed_attention(query, key, value, kwargs, bool(causal), float(dropout), scaling, sinks), None
     attn_mask, key_lengths, flag = None, None, False
     if attention_mask is None:
         flag = bool(causal)
@@ -366,7 +380,7 @@ def attention_forward(
     out = FT.attention(
         query, key, value, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=flag,
         causal_offset=Lk - Lq if flag else 0, dropout_p=float(dropout),
-        scale=None if scaling is None else float(scaling), sinks=None if sinks is None else _sinks(sinks, query),
+        scale=None if scaling is None else float(scaling), sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None
 
