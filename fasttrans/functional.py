@@ -348,11 +348,9 @@ def attention(
     Returns:
         (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if sinks is not None or (isinstance(v, torch.Tensor) and isinstance(k, torch.Tensor) and v.dim() == k.dim() == 4
-                             and v.shape[3] != k.shape[3]):
+    if sinks is not None:
         _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
-        if sinks is not None:
-            _validate_sinks(sinks, q)
+        _validate_sinks(sinks, q)
         if v.shape[3] != k.shape[3]:
             return _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
                                               scale, sinks)
@@ -376,6 +374,9 @@ def attention(
             if out is not None:
                 return out[0]
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
+    if v.shape[3] != k.shape[3]:  # the common entries above take one head dim and refuse this call
+        return _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
+                                          scale, None)
     return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
 
 
