@@ -158,12 +158,13 @@ def attention_with_lse(
         rows = sinks.view(1, H, 1) if sinks.dim() == 1 else sinks  # (H,): one per head
         column = rows.to(s.dtype).unsqueeze(-1).expand(B, H, Lq, 1)
         lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)
-        # a sink of -inf on a row with no allowed key leaves nothing: +inf, as without sinks
-        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    else:
+        lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
+    # -inf on rows with no allowed key (and no sink, or one of -inf): +inf, so that exp(s - lse) is 0
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    if sinks is not None:
         p = torch.exp(s - lse.unsqueeze(-1))
     else:
-        lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf on fully masked rows
-        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
         p = attention_probs(
             q, k, attn_mask=attn_mask, key_lengths=key_lengths,
             is_causal=is_causal, causal_offset=causal_offset, scale=scale, upcast=upcast,
@@ -343,8 +344,8 @@ class ReferenceImpl:
     @classmethod
     def attention_with_sinks(cls, q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale,
                              seed):
-        """attention_fwd's output with one sink logit per query head, ``sinks`` (H,), in
-        PyTorch ops that autograd differentiates (sinks included)."""
+        """attention_fwd's output with the sink logits ``sinks``, (H,) or broadcastable to
+        (B, H, Lq), in PyTorch ops that autograd differentiates (sinks included)."""
         return attention_with_lse(
             q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
             causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
