@@ -12,9 +12,10 @@ questions need most first; the budget cuts from the end):
                dense_bool, fwd and fwd+bwd, the Triton backend against
                F.scaled_dot_product_attention
     hf         Hugging Face models (bench_model.py's hf and hf-families sweeps) in bf16:
-               BERT-base-shaped and Llama-shaped training steps and Llama generate(), and a
-               small training step of each of the six tested families, fasttrans's apply()
-               against attn_implementation "sdpa" (and "eager"), and the 12 longest GPU
+               BERT-base-shaped and Llama-shaped training steps and Llama generate(), a
+               small training step of each of the six tested families and of gpt-oss (its
+               attention sinks) and gpt-oss's generate(), fasttrans's apply() against
+               attn_implementation "sdpa" (and "eager"; gpt-oss: "eager"), and the 12 longest GPU
                kernels of each provider's hf training steps; skipped without transformers
     model      training step of the demo (digits-average) model and of the base model
     norms      4096 x {1024, 8192} in fp32, layer_norm / add_layer_norm / rms_norm
