@@ -328,7 +328,8 @@ def attention(
         k, v: (B, Hkv, Lk, D) keys and values; H must be a multiple of Hkv (grouped-query).
             v may have another head dim Dv (multi-head latent attention's 192 / 128): the
             smaller side is padded with zeros to the larger (one copy; the scores and the
-            default scale stay those of D), and the output has Dv.
+            default scale stay those of D), and the output has Dv (then a view of the
+            padded result).
         attn_mask: bool (True = may attend, as in F.scaled_dot_product_attention) or float
             (added to the scores), broadcastable to (B, H, Lq, Lk).
         key_lengths: (B,) integers; key positions >= key_lengths[b] are masked. Values
@@ -391,7 +392,7 @@ def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causa
     else:
         q, k = torch.nn.functional.pad(q, (0, Dv - D)), torch.nn.functional.pad(k, (0, Dv - D))
     out = attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks)
-    return out[..., :Dv].contiguous() if Dv < D else out
+    return out[..., :Dv] if Dv < D else out  # a view: callers that merge the heads copy it once anyway
 
 
 def _validate_sinks(sinks, q) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from .autograd import _below_autograd, _check_second_order, _grad_with_graph
+from .autograd import _below_autograd, _check_second_order, _grad_with_graph, last_dim_unit_stride
 from .registration import ops_for
 from .registry import BACKENDS, current_forced_backend
 
@@ -83,7 +83,7 @@ class _SinkAttention(torch.autograd.Function):
                 (q, k, v, attn_mask, sinks), ctx.needs_input_grad[:5], (dy,))
             return (*grads, *nothing)
         _, bwd = _ops(ctx.name)
-        dout = (dy * c.unsqueeze(-1)).to(y.dtype).contiguous()
+        dout = last_dim_unit_stride((dy * c.unsqueeze(-1)).to(y.dtype))  # a view's layout, as the op formulas take it
         dq, dk, dv, dmask = bwd(dout, q, k, v, y, lse, attn_mask, key_lengths, is_causal, causal_offset,
                                 dropout_p, scale, seed, ctx.mask_grad)
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
