@@ -343,6 +343,36 @@ struct Rows {
   T* operator()(int64_t b, int64_t h, int64_t i) const { return data + b * sb + h * sh + i * si; }
 };
 
+// What a dense mask does to the block of rows [i0, i0 + bm) x keys [j0, j0 + bn) of head
+// (b, h). A bool block that allows no key is skipped like keys past a key length (its keys
+// and values are never read, so an inf or NaN there stays out, as on the Triton kernels), and
+// one that allows every key is computed as if unmasked. A float mask's blocks are always
+// applied: a NaN score plus -inf stays NaN.
+enum class MaskTile { kNone, kDead, kPartial };
+
+MaskTile classify_mask_tile(const MaskView& m, int64_t b, int64_t h, int64_t i0, int64_t bm, int64_t j0, int64_t bn) {
+  if (!m) return MaskTile::kNone;
+  if (m.kind != MaskKind::kBool) return MaskTile::kPartial;
+  // bytes, not bools: a bool tensor viewed from other bytes may hold values other than 0 and 1
+  const auto* base = static_cast<const uint8_t*>(m.data) + b * m.stride_b + h * m.stride_h + j0 * m.stride_j;
+  const int64_t row_len = m.stride_j == 0 ? 1 : bn;  // a key-broadcast mask: one value per row
+  const int64_t rows = m.stride_i == 0 ? 1 : bm;      // a query-broadcast one (padding): one row
+  bool seen_allowed = false, seen_hidden = false;
+  for (int64_t r = 0; r < rows && !(seen_allowed && seen_hidden); ++r) {
+    const uint8_t* row = base + (i0 + r) * m.stride_i;
+    int64_t allowed = 0;
+    if (m.stride_j == 1) {
+      for (int64_t c = 0; c < row_len; ++c) allowed += row[c] != 0;
+    } else {
+      for (int64_t c = 0; c < row_len; ++c) allowed += row[c * m.stride_j] != 0;
+    }
+    seen_allowed |= allowed > 0;
+    seen_hidden |= allowed < row_len;
+  }
+  if (!seen_allowed) return MaskTile::kDead;
+  return seen_hidden ? MaskTile::kPartial : MaskTile::kNone;
+}
+
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
@@ -432,6 +462,9 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
       std::fill(s.o.begin(), s.o.end(), T(0));
       for (int64_t j0 = 0; j0 < kv_end; j0 += BN) {
         const int64_t bn = std::min(BN, kv_end - j0);
+        const MaskTile mask_tile = classify_mask_tile(p.mask, b, h, i0, bm, j0, bn);
+        if (mask_tile == MaskTile::kDead) continue;
+        const bool apply_mask = mask_tile == MaskTile::kPartial;
         if (tile_transpose && bm <= kFwdDotRows) {
           for (int64_t r = 0; r < bm; ++r) dots(s.q.data() + r * D, k_rows(b, hk, j0), k_rows.si, bn, D, s.s.data() + r * BN);
         } else if (tile_transpose) {
@@ -444,12 +477,12 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf). Without a
         // mask or the diagonal, and for scale > 0, the scale rides on the exponent's FMA,
         // exp(scale s - m), and the row max is taken of the raw products.
-        const bool masked = p.mask || p.crosses_diagonal(i0, j0 + bn - 1);
+        const bool masked = apply_mask || p.crosses_diagonal(i0, j0 + bn - 1);
         const bool fold = !masked && p.scale > 0;
         if (masked) {
           for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
         }
-        if (p.mask) {
+        if (apply_mask) {
           for (int64_t r = 0; r < bm; ++r) {
             load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
             apply_mask_row(p.mask, s.row.data(), s.s.data() + r * BN, bn, 1);
@@ -602,7 +635,7 @@ struct BwdScratch {
 // masked stores, which the CPU cannot forward from one to the next.
 template <typename T>
 void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t BM, int64_t b, int64_t h,
-              int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+              int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool apply_mask, bool want_dkdv, bool want_dq) {
   const int64_t D = p.D, Lq = p.Lq, Lk = p.Lk, hk = h / p.group;
   const int64_t bh = b * p.H + h;
   T* st = s.st.data();
@@ -617,7 +650,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   // usual loop has no extra load); lse = +inf on empty rows gives 0. Without a mask the scale
   // is applied in the exp pass: one pass over the tile fewer.
   gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
-  if (p.mask) {
+  if (apply_mask) {
     for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
     for (int64_t r = 0; r < bm; ++r) {
       load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
@@ -640,7 +673,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
       }
     }
   };
-  const bool fold_scale = !p.mask;
+  const bool fold_scale = !apply_mask;
   if (x.lse_lo && fold_scale) {
     exp_tile(std::true_type{}, std::true_type{});
   } else if (x.lse_lo) {
@@ -752,7 +785,7 @@ constexpr int64_t kBwdRowsMax = 2;
 
 template <typename T>
 void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t b, int64_t h, int64_t i0,
-              int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+              int64_t bm, int64_t j0, int64_t bn, bool apply_mask, bool want_dkdv, bool want_dq) {
   const int64_t D = p.D, Lq = p.Lq, Lk = p.Lk, hk = h / p.group;
   const int64_t bh = b * p.H + h;
   constexpr int64_t W = Vec<T>::size();
@@ -771,7 +804,7 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     } else {
       dots(x.q(b, h, i0 + r), x.k(b, hk, j0), x.k.si, bn, D, pr);
     }
-    if (p.mask) {
+    if (apply_mask) {
       scale_row(pr, bn, scale);
       load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
       apply_mask_row(p.mask, s.row.data(), pr, bn, 1);
@@ -781,7 +814,7 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     for (int64_t c = 0; c < seen; c += W) {
       const int64_t w = std::min(W, seen - c);
       Vec<T> e = Vec<T>::loadu(pr + c, w);
-      if (!p.mask) e = e * vscale;
+      if (!apply_mask) e = e * vscale;
       e = e - l;
       if (lo) e = e - l_lo;
       vexp(e).store(pr + c, w);
@@ -830,14 +863,18 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   }
 }
 
-// One (query tile, key tile) step of the backward, in the layout that suits the tile.
+// One (query tile, key tile) step of the backward, in the layout that suits the tile; none
+// for a tile a bool mask hides entirely (see classify_mask_tile).
 template <typename T>
 void bwd_step(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, int64_t ld_m, int64_t b, int64_t h,
               int64_t i0, int64_t bm, int64_t j0, int64_t bn, bool want_dkdv, bool want_dq) {
+  const MaskTile mask_tile = classify_mask_tile(p.mask, b, h, i0, bm, j0, bn);
+  if (mask_tile == MaskTile::kDead) return;
+  const bool apply_mask = mask_tile == MaskTile::kPartial;
   if (bm <= kBwdRowsMax) {
-    bwd_rows(p, x, s, b, h, i0, bm, j0, bn, want_dkdv, want_dq);
+    bwd_rows(p, x, s, b, h, i0, bm, j0, bn, apply_mask, want_dkdv, want_dq);
   } else {
-    bwd_tile(p, x, s, ld_m, b, h, i0, bm, j0, bn, want_dkdv, want_dq);
+    bwd_tile(p, x, s, ld_m, b, h, i0, bm, j0, bn, apply_mask, want_dkdv, want_dq);
   }
 }
 

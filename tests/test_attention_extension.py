@@ -278,6 +278,93 @@ def test_backward_schedules_match_reference(ext, schedule, kind):
     _check_against_reference(q, k, v, _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True))
 
 
+# ---------------------------------------------------------------------------------------
+# dense bool masks by tiles: blocks hiding every key are skipped, blocks allowing every key
+# are computed as unmasked (csrc/attention_cpu.cpp, classify_mask_tile)
+# ---------------------------------------------------------------------------------------
+def _tile_blocks(D, dtype=torch.float32):
+    """(rows, keys) of a block that is a whole number of the kernels' forward and backward tiles."""
+    from fasttrans.extension import cpu_attention_tiles
+
+    fasttrans.attention(*_qkv(1, 1, 1, 2, 2, D, dtype))  # loads the extension
+    t = cpu_attention_tiles(D, dtype)
+    return max(t["forward"][0], t["backward"][0]), max(t["forward"][1], t["backward"][1])
+
+
+def _block_mask(B, H, Lq, Lk, rows, keys, seed):
+    """A bool (B, H, Lq, Lk) mask whose blocks of rows x keys are each hidden, allowed or
+    random: every kind in every row of blocks, so that tiles of each kind meet in one row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, H, Lq, Lk, generator=g) < 0.5
+    n_r, n_k = -(-Lq // rows), -(-Lk // keys)
+    for b in range(B):
+        for h in range(H):
+            for i in range(n_r):
+                kinds = torch.randint(0, 3, (n_k,), generator=g)
+                kinds[i % n_k], kinds[(i + 1) % n_k] = 0, 1  # a hidden and an allowed block per row
+                for j in range(n_k):
+                    if kinds[j] < 2:
+                        mask[b, h, i * rows:(i + 1) * rows, j * keys:(j + 1) * keys] = bool(kinds[j])
+    return mask
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("kind", ["bool", "bool_per_head", "bool+causal_bottom_right", "bool+key_lengths", "bool_q1",
+                                  "bool_keys", "bool_rows"])
+def test_bool_masks_with_hidden_allowed_and_mixed_tiles_match_reference(ext, schedule, kind):
+    B, H, Hkv, D = 2, 4, 2, 32
+    rows, keys = _tile_blocks(D)
+    Lq, Lk = (1, 3 * keys) if kind == "bool_q1" else (3 * rows - 5, 3 * keys + 7)
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.float32)
+    mask = _block_mask(B, H if kind == "bool_per_head" else 1, Lq, Lk, rows, keys, seed=3)
+    if kind == "bool_keys":  # (B, 1, 1, Lk), a padding mask's shape: one row for every query
+        mask = mask[:, :, -1:]
+    elif kind == "bool_rows":  # (B, 1, Lq, 1) broadcast over the keys: rows hidden or not
+        mask = mask[..., :1].clone()
+        mask[:, :, ::2] = True
+    kw = {"attn_mask": mask}
+    if "+" in kind:
+        kw.update(_masks(kind.split("+", 1)[1], B, H, Lq, Lk, "cpu", torch.float32, zero_length=True))
+    _check_against_reference(q, k, v, kw)
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_keys_of_a_tile_the_bool_mask_hides_are_never_read(ext, schedule, value):
+    """An inf or NaN key or value in a block the mask hides entirely never enters the output or
+    any gradient (as on the Triton kernels), where a mixed tile weighs a hidden key's inf value
+    by 0 (NaN, as the reference's dense product)."""
+    B, H, D = 1, 2, 16
+    rows, keys = _tile_blocks(D)
+    Lq, Lk = 2 * rows, 3 * keys
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, torch.float32)
+    mask = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+    mask[..., keys:2 * keys] = False  # the middle block of keys, for every row
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, keys + 3] = value
+    v_bad[:, :, keys + 5] = value
+    dout = torch.randn_like(q)
+    got = _run(_extension, q, k_bad, v_bad, dout, {"attn_mask": mask})
+    ref = _run(reference.attention, q, k, v, dout, {"attn_mask": mask})  # the same with finite hidden keys
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(g, r, msg=lambda m: f"{name}: {m}")
+    mask[0, 0, 0, keys + 1] = True  # the block is mixed now: the hidden inf value enters as 0 * inf
+    out = _extension(q, k, v_bad, attn_mask=mask)
+    assert out[0, :, 0, :].isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "key_lengths"])
+def test_a_bool_mask_allowing_every_key_gives_the_bits_of_no_mask(ext, kind):
+    B, H, Lq, Lk, D = 2, 2, 150, 200, 32
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, torch.float32)
+    kw = _masks(kind, B, H, Lq, Lk, "cpu", torch.float32)
+    dout = torch.randn_like(q)
+    plain = _run(_extension, q, k, v, dout, kw)
+    masked = _run(_extension, q, k, v, dout, {**kw, "attn_mask": torch.ones(B, 1, Lq, Lk, dtype=torch.bool)})
+    for name, a, b in zip(("out", "dq", "dk", "dv"), masked, plain):
+        assert torch.equal(a, b), name
+
+
 # Rows whose scores are all huge: a finite mask value (-1e9, finfo.min, -1e4) over every key
 # the row sees, or logits in the hundreds. The backward recomputes P from the float32 lse,
 # which cannot hold log l next to 1e9; the extension recomputes these rows' max and sum
