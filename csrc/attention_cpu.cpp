@@ -34,11 +34,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <c10/util/bit_cast.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -373,6 +375,47 @@ MaskTile classify_mask_tile(const MaskView& m, int64_t b, int64_t h, int64_t i0,
   return seen_hidden ? MaskTile::kPartial : MaskTile::kNone;
 }
 
+// A bool mask's row (b, h, i), keys [j0, j0 + n), as load_mask_row gives it (0 where allowed,
+// -inf where hidden), without a branch per key.
+template <typename T>
+void bool_row_as_additive(const MaskView& m, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  static_assert(sizeof(Bits) == sizeof(T), "float or double");
+  const Bits inf_bits = c10::bit_cast<Bits>(neg_inf<T>());
+  const uint8_t* allowed = static_cast<const uint8_t*>(m.data) + b * m.stride_b + h * m.stride_h + i * m.stride_i +
+                           j0 * m.stride_j;
+  const int64_t sj = m.stride_j;
+  for (int64_t c = 0; c < n; ++c) {
+    const Bits bits = (Bits(0) - Bits(allowed[c * sj] == 0)) & inf_bits;
+    std::memcpy(out + c, &bits, sizeof(T));
+  }
+}
+
+// Scores s[0, n) of row (b, h, i), keys from j0: scaled, then masked (a bool mask's hidden
+// entries become -inf, a float mask is added), in one pass where the mask's keys are
+// contiguous; row is scratch of n elements for the other layouts.
+template <typename T>
+void scale_and_mask_row(const MaskView& m, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T scale, T* s,
+                        T* row) {
+  const int64_t off = b * m.stride_b + h * m.stride_h + i * m.stride_i + j0 * m.stride_j;
+  if (m.stride_j == 1 && m.kind == MaskKind::kBool) {
+    const uint8_t* allowed = static_cast<const uint8_t*>(m.data) + off;
+    for (int64_t c = 0; c < n; ++c) {
+      const T x = s[c] * scale;
+      s[c] = allowed[c] != 0 ? x : neg_inf<T>();
+    }
+    return;
+  }
+  if (m.stride_j == 1 && m.kind == MaskKind::kFloat && std::is_same_v<T, float>) {
+    const float* add = static_cast<const float*>(m.data) + off;
+    for (int64_t c = 0; c < n; ++c) s[c] = s[c] * scale + static_cast<T>(add[c]);  // two roundings: no contraction
+    return;
+  }
+  scale_row(s, n, scale);
+  load_mask_row(m, b, h, i, j0, n, row);
+  apply_mask_row(m, row, s, n, 1);
+}
+
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
@@ -479,14 +522,12 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         // exp(scale s - m), and the row max is taken of the raw products.
         const bool masked = apply_mask || p.crosses_diagonal(i0, j0 + bn - 1);
         const bool fold = !masked && p.scale > 0;
-        if (masked) {
-          for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
-        }
         if (apply_mask) {
           for (int64_t r = 0; r < bm; ++r) {
-            load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-            apply_mask_row(p.mask, s.row.data(), s.s.data() + r * BN, bn, 1);
+            scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, T(p.scale), s.s.data() + r * BN, s.row.data());
           }
+        } else if (masked) {
+          for (int64_t r = 0; r < bm; ++r) scale_row(s.s.data() + r * BN, bn, T(p.scale));
         }
         if (p.crosses_diagonal(i0, j0 + bn - 1)) {
           for (int64_t r = 0; r < bm; ++r) {
@@ -617,13 +658,14 @@ struct BwdOperands {
 
 template <typename T>
 struct BwdScratch {
-  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row;
-  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout)
+  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row, mask_t;
+  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout, bool mask)
       : st(BN * BM), dpt(BN * BM), ds(BM * BN), dk(BN * D), dv(BN * D), row(std::max(BM, BN)) {
     if (dropout) {
       pdt.resize(BN * BM);
       keep.resize(BN * BM);
     }
+    if (mask) mask_t.resize(BN * BM);
   }
 };
 
@@ -651,10 +693,30 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   // is applied in the exp pass: one pass over the tile fewer.
   gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
   if (apply_mask) {
-    for (int64_t c = 0; c < bn; ++c) scale_row(st + c * BM, bm, T(p.scale));
+    // the mask's block row by row (ds is free until dQ's product), transposed to the tile's
+    // key-major layout in registers, then applied along the rows: every pass on unit strides
+    // (branch-free throughout: a random mask would mispredict every other branch)
+    T* rows = s.ds.data();
+    const bool is_bool = p.mask.kind == MaskKind::kBool;
     for (int64_t r = 0; r < bm; ++r) {
-      load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-      apply_mask_row(p.mask, s.row.data(), st + r, bn, BM);
+      if (is_bool) {
+        bool_row_as_additive(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
+      } else {
+        load_mask_row(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
+      }
+    }
+    T* mt = s.mask_t.data();
+    transpose_tile(rows, bn, mt, BM, bm, bn);
+    const Vec<T> scale(static_cast<T>(p.scale)), zero(T(0));
+    for (int64_t c = 0; c < bn; ++c) {
+      T* col = st + c * BM;
+      const T* mc = mt + c * BM;
+      for (int64_t r = 0; r < bm; r += W) {
+        const int64_t w = std::min(W, bm - r);
+        const Vec<T> x = Vec<T>::loadu(col + r, w) * scale, m = Vec<T>::loadu(mc + r, w);
+        // a bool mask's hidden entries (-inf) replace the score, NaN included; a float one is added
+        (is_bool ? Vec<T>::blendv(m, x, m == zero) : x + m).store(col + r, w);
+      }
     }
   }
   const T* lse = x.lse + bh * Lq + i0;
@@ -804,11 +866,7 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     } else {
       dots(x.q(b, h, i0 + r), x.k(b, hk, j0), x.k.si, bn, D, pr);
     }
-    if (apply_mask) {
-      scale_row(pr, bn, scale);
-      load_mask_row(p.mask, b, h, i0 + r, j0, bn, s.row.data());
-      apply_mask_row(p.mask, s.row.data(), pr, bn, 1);
-    }
+    if (apply_mask) scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, scale, pr, s.row.data());
     const int64_t seen = p.causal ? std::clamp<int64_t>(i0 + r + p.causal_offset - j0 + 1, 0, bn) : bn;
     const Vec<T> l(lse[r]), l_lo(lo ? lo[r] : T(0));
     for (int64_t c = 0; c < seen; c += W) {
@@ -905,7 +963,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
   const int64_t ld_m = (BM + W - 1) / W * W;  // bwd_tile's ld: whole vectors of rows
   const int64_t n_kb = (p.Lk + BN - 1) / BN;
   const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
-  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled); };
+  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled, bool(p.mask)); };
 
   // dK, dV of key tile [j0, j0 + BN) of kv head hk (all its query heads), plus dQ if asked.
   auto key_tile = [&](BwdScratch<T>& s, int64_t b, int64_t hk, int64_t kb, bool want_dq) {
