@@ -22,8 +22,10 @@ Sweeps (select with --sweep):
 
 Mask kinds: none, causal, key_padding (the last 25% of the keys), dense_padding (the same
 keys as a dense (B, 1, Lq, Lk) bool mask for both: whole tiles are allowed or masked, the case
-a tile-classifying kernel should run near its unmasked speed), dense_bool (10% of the pairs
-masked at random), dense_float (a random bias).
+a tile-classifying kernel should run near its unmasked speed), sliding_window (each query
+sees itself and the 255 keys before it, as a dense (B, 1, Lq, Lk) bool mask for both: the
+local layers of Mistral-, Gemma- and gpt-oss-style models, where a tile-skipping kernel does
+O(L x 256) work), dense_bool (10% of the pairs masked at random), dense_float (a random bias).
 
 Loads (--loads): "tma" (default) lets the Triton forward read keys and values through tensor
 descriptors where it can (compute capability >= 9, 16-bit, 16-byte rows); "pointer" makes it
@@ -58,9 +60,10 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from benchmarks import common  # noqa: E402
 from benchmarks.common import Config, Entry  # noqa: E402
 
-MASKS = ("none", "causal", "key_padding", "dense_padding", "dense_bool", "dense_float")
+MASKS = ("none", "causal", "key_padding", "dense_padding", "sliding_window", "dense_bool", "dense_float")
 MODES = ("fwd", "fwd+bwd")
 PAD_FRACTION = 0.25  # share of the keys that are padding in the key_padding cases
+WINDOW = 256  # keys a query sees in the sliding_window cases, itself included
 DENSE_MASKED_FRACTION = 0.1  # share of (query, key) pairs masked out by the dense masks
 
 # The reference backend materialises (B, H, Lq, Lk) tensors: measured peak ~6 fp32 score
@@ -99,6 +102,10 @@ def mask_arguments(mask: str, B: int, Lq: int, Lk: int, dtype: torch.dtype, devi
     if mask == "dense_padding":  # key_padding's keys written as a dense mask: whole tiles allowed or not
         allowed = torch.arange(Lk, device=device) < Lk - int(Lk * PAD_FRACTION)
         allowed = allowed.expand(B, 1, Lq, Lk).contiguous()
+        return {"attn_mask": allowed}, {"attn_mask": allowed}
+    if mask == "sliding_window":  # bottom-right aligned, as a decoder's local layer
+        i, j = torch.arange(Lq, device=device)[:, None] + (Lk - Lq), torch.arange(Lk, device=device)
+        allowed = ((j <= i) & (j > i - WINDOW)).expand(B, 1, Lq, Lk).contiguous()
         return {"attn_mask": allowed}, {"attn_mask": allowed}
     if mask == "dense_bool":
         allowed = torch.rand(B, 1, Lq, Lk, device=device) >= DENSE_MASKED_FRACTION
