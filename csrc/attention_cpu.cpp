@@ -30,6 +30,8 @@
 //
 // Skipping: key tiles at or past key_lengths[b] and tiles entirely above the causal
 // diagonal are never visited; only tiles crossing the diagonal pay for the causal mask.
+// Likewise a bool mask's tiles are read before their GEMMs: those it hides entirely are
+// skipped and those it allows entirely run unmasked (classify_mask_tile).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
