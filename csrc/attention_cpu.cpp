@@ -36,13 +36,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
-#include <c10/util/bit_cast.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -377,22 +375,6 @@ MaskTile classify_mask_tile(const MaskView& m, int64_t b, int64_t h, int64_t i0,
   return seen_hidden ? MaskTile::kPartial : MaskTile::kNone;
 }
 
-// A bool mask's row (b, h, i), keys [j0, j0 + n), as load_mask_row gives it (0 where allowed,
-// -inf where hidden), without a branch per key.
-template <typename T>
-void bool_row_as_additive(const MaskView& m, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* out) {
-  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-  static_assert(sizeof(Bits) == sizeof(T), "float or double");
-  const Bits inf_bits = c10::bit_cast<Bits>(neg_inf<T>());
-  const uint8_t* allowed = static_cast<const uint8_t*>(m.data) + b * m.stride_b + h * m.stride_h + i * m.stride_i +
-                           j0 * m.stride_j;
-  const int64_t sj = m.stride_j;
-  for (int64_t c = 0; c < n; ++c) {
-    const Bits bits = (Bits(0) - Bits(allowed[c * sj] == 0)) & inf_bits;
-    std::memcpy(out + c, &bits, sizeof(T));
-  }
-}
-
 // Scores s[0, n) of row (b, h, i), keys from j0: scaled, then masked (a bool mask's hidden
 // entries become -inf, a float mask is added), in one pass where the mask's keys are
 // contiguous; row is scratch of n elements for the other layouts.
@@ -697,16 +679,10 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   if (apply_mask) {
     // the mask's block row by row (ds is free until dQ's product), transposed to the tile's
     // key-major layout in registers, then applied along the rows: every pass on unit strides
-    // (branch-free throughout: a random mask would mispredict every other branch)
+    // and without branches (a random mask would mispredict every other one)
     T* rows = s.ds.data();
     const bool is_bool = p.mask.kind == MaskKind::kBool;
-    for (int64_t r = 0; r < bm; ++r) {
-      if (is_bool) {
-        bool_row_as_additive(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
-      } else {
-        load_mask_row(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
-      }
-    }
+    for (int64_t r = 0; r < bm; ++r) load_mask_row(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
     T* mt = s.mask_t.data();
     transpose_tile(rows, bn, mt, BM, bm, bn);
     const Vec<T> scale(static_cast<T>(p.scale)), zero(T(0));

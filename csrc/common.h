@@ -12,12 +12,14 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/bit_cast.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <type_traits>
@@ -642,8 +644,16 @@ inline void load_mask_row(const MaskView& m, int64_t b, int64_t h, int64_t i, in
   const int64_t sj = m.stride_j;
   switch (m.kind) {
     case MaskKind::kBool: {
-      const bool* p = static_cast<const bool*>(m.data) + off;
-      for (int64_t c = 0; c < n; ++c) out[c] = p[c * sj] ? T(0) : neg_inf<T>();
+      // bytes (a bool tensor viewed from other bytes may hold values other than 0 and 1),
+      // without a branch per key, which a random mask would mispredict
+      using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+      static_assert(sizeof(Bits) == sizeof(T), "float or double");
+      const Bits inf_bits = c10::bit_cast<Bits>(neg_inf<T>());
+      const uint8_t* p = static_cast<const uint8_t*>(m.data) + off;
+      for (int64_t c = 0; c < n; ++c) {
+        const Bits bits = (Bits(0) - Bits(p[c * sj] == 0)) & inf_bits;
+        std::memcpy(out + c, &bits, sizeof(T));
+      }
       break;
     }
     case MaskKind::kFloat: {
