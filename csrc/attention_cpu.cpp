@@ -642,14 +642,13 @@ struct BwdOperands {
 
 template <typename T>
 struct BwdScratch {
-  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row, mask_t;
-  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout, bool mask)
+  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row;
+  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout)
       : st(BN * BM), dpt(BN * BM), ds(BM * BN), dk(BN * D), dv(BN * D), row(std::max(BM, BN)) {
     if (dropout) {
       pdt.resize(BN * BM);
       keep.resize(BN * BM);
     }
-    if (mask) mask_t.resize(BN * BM);
   }
 };
 
@@ -677,13 +676,13 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   // is applied in the exp pass: one pass over the tile fewer.
   gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
   if (apply_mask) {
-    // the mask's block row by row (ds is free until dQ's product), transposed to the tile's
-    // key-major layout in registers, then applied along the rows: every pass on unit strides
-    // and without branches (a random mask would mispredict every other one)
+    // the mask's block row by row into ds (free until dQ's product), transposed to the tile's
+    // key-major layout in registers into dpt (free until dP's product), then applied along the
+    // rows: every pass on unit strides and without branches (a random mask would mispredict)
     T* rows = s.ds.data();
     const bool is_bool = p.mask.kind == MaskKind::kBool;
     for (int64_t r = 0; r < bm; ++r) load_mask_row(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
-    T* mt = s.mask_t.data();
+    T* mt = dpt;
     transpose_tile(rows, bn, mt, BM, bm, bn);
     const Vec<T> scale(static_cast<T>(p.scale)), zero(T(0));
     for (int64_t c = 0; c < bn; ++c) {
@@ -941,7 +940,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
   const int64_t ld_m = (BM + W - 1) / W * W;  // bwd_tile's ld: whole vectors of rows
   const int64_t n_kb = (p.Lk + BN - 1) / BN;
   const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
-  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled, bool(p.mask)); };
+  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled); };
 
   // dK, dV of key tile [j0, j0 + BN) of kv head hk (all its query heads), plus dQ if asked.
   auto key_tile = [&](BwdScratch<T>& s, int64_t b, int64_t hk, int64_t kb, bool want_dq) {
