@@ -157,6 +157,7 @@ struct AttnParams {
   bool causal = false;
   int64_t causal_offset = 0;
   double scale = 1.0;
+  double softcap = 0.0;  // > 0: scores soft-capped, softcap * tanh(scale s / softcap), before the masks
   const int32_t* key_lengths = nullptr;  // (B,) or null
   MaskView mask;
   Dropout dropout;
@@ -182,7 +183,7 @@ struct AttnParams {
 
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& attn_mask,
                        const at::Tensor& key_lengths_i32, bool is_causal, int64_t causal_offset, double dropout_p,
-                       double scale, int64_t seed) {
+                       double scale, int64_t seed, double softcap) {
   // fasttrans.attention turns dropout_p == 1 into zeros before any kernel runs
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a probability in [0, 1), got ", dropout_p);
   AttnParams p;
@@ -198,6 +199,9 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const std::opti
   // would only risk overflow in the tile arithmetic.
   p.causal_offset = std::clamp<int64_t>(causal_offset, -(p.Lq + 1), p.Lk + 1);
   p.scale = scale;
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap: expected a finite value > 0 (0: none), got ",
+              softcap);
+  p.softcap = softcap;
   p.key_lengths = key_lengths_i32.defined() ? key_lengths_i32.data_ptr<int32_t>() : nullptr;
   p.mask = make_mask_view(attn_mask);
   p.dropout = make_dropout(dropout_p, seed);
@@ -400,6 +404,20 @@ void scale_and_mask_row(const MaskView& m, int64_t b, int64_t h, int64_t i, int6
   apply_mask_row(m, row, s, n, 1);
 }
 
+// s[0, n) <- cap tanh(s scale / cap): products scaled and soft-capped, as Gemma 2 caps its
+// logits; with g, also g[0, n) <- 1 - tanh^2, the capped scores' derivative by the scaled ones.
+template <typename T>
+void softcap_row(T* s, int64_t n, T scale, T cap, T* g) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> a(scale / cap), c(cap), one(T(1));
+  for (int64_t k = 0; k < n; k += W) {
+    const int64_t w = std::min(W, n - k);
+    const Vec<T> t = (Vec<T>::loadu(s + k, w) * a).tanh();
+    (t * c).store(s + k, w);
+    if (g) (one - t * t).store(g + k, w);
+  }
+}
+
 // --------------------------------------------------------------------------------------
 // Forward
 // --------------------------------------------------------------------------------------
@@ -504,9 +522,17 @@ void attention_fwd_kernel(const AttnParams& p, const at::Tensor& q, const at::Te
         // (or underflow to 0, and 0 * inf = NaN) where the scores are finite (or -inf). Without a
         // mask or the diagonal, and for scale > 0, the scale rides on the exponent's FMA,
         // exp(scale s - m), and the row max is taken of the raw products.
-        const bool masked = apply_mask || p.crosses_diagonal(i0, j0 + bn - 1);
+        // Soft-capped scores leave the softmax scaled and capped, as masked ones do.
+        const bool capped = p.softcap > 0;
+        const bool masked = apply_mask || capped || p.crosses_diagonal(i0, j0 + bn - 1);
         const bool fold = !masked && p.scale > 0;
-        if (apply_mask) {
+        if (capped) {
+          for (int64_t r = 0; r < bm; ++r) {
+            T* srow = s.s.data() + r * BN;
+            softcap_row(srow, bn, T(p.scale), T(p.softcap), static_cast<T*>(nullptr));
+            if (apply_mask) scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, T(1), srow, s.row.data());
+          }
+        } else if (apply_mask) {
           for (int64_t r = 0; r < bm; ++r) {
             scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, T(p.scale), s.s.data() + r * BN, s.row.data());
           }
@@ -642,13 +668,14 @@ struct BwdOperands {
 
 template <typename T>
 struct BwdScratch {
-  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row;
-  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout)
+  std::vector<T> st, pdt, dpt, ds, keep, dk, dv, row, cap;  // cap: the tile's 1 - tanh^2 (softcap_row)
+  BwdScratch(int64_t BM, int64_t BN, int64_t D, bool dropout, bool softcap)
       : st(BN * BM), dpt(BN * BM), ds(BM * BN), dk(BN * D), dv(BN * D), row(std::max(BM, BN)) {
     if (dropout) {
       pdt.resize(BN * BM);
       keep.resize(BN * BM);
     }
+    if (softcap) cap.resize(BN * BM);
   }
 };
 
@@ -675,6 +702,12 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   // usual loop has no extra load); lse = +inf on empty rows gives 0. Without a mask the scale
   // is applied in the exp pass: one pass over the tile fewer.
   gemm_nn(bn, n, D, x.k(b, hk, j0), x.k.si, x.qt + bh * D * x.ld_t + i0, x.ld_t, st, BM, false);
+  const bool capped = p.softcap > 0;  // then S^T is scaled and capped here, its derivative kept in s.cap
+  if (capped) {
+    for (int64_t c = 0; c < bn; ++c) {
+      softcap_row(st + c * BM, n, static_cast<T>(p.scale), static_cast<T>(p.softcap), s.cap.data() + c * BM);
+    }
+  }
   if (apply_mask) {
     // the mask's block row by row into ds (free until dQ's product), transposed to the tile's
     // key-major layout in registers into dpt (free until dP's product), then applied along the
@@ -684,7 +717,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     for (int64_t r = 0; r < bm; ++r) load_mask_row(p.mask, b, h, i0 + r, j0, bn, rows + r * bn);
     T* mt = dpt;
     transpose_tile(rows, bn, mt, BM, bm, bn);
-    const Vec<T> scale(static_cast<T>(p.scale)), zero(T(0));
+    const Vec<T> scale(capped ? T(1) : static_cast<T>(p.scale)), zero(T(0));
     for (int64_t c = 0; c < bn; ++c) {
       T* col = st + c * BM;
       const T* mc = mt + c * BM;
@@ -712,7 +745,7 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
       }
     }
   };
-  const bool fold_scale = !apply_mask;
+  const bool fold_scale = !apply_mask && !capped;
   if (x.lse_lo && fold_scale) {
     exp_tile(std::true_type{}, std::true_type{});
   } else if (x.lse_lo) {
@@ -781,13 +814,29 @@ void bwd_tile(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
       }
     }
   };
+  // soft-capped scores: the products take dS (1 - tanh^2), the mask's gradient dS itself
+  auto uncap = [&](T scale) {
+    const Vec<T> vscale(scale);
+    for (int64_t c = 0; c < bn; ++c) {
+      T* d = dpt + c * BM;
+      const T* g = s.cap.data() + c * BM;
+      for (int64_t r = 0; r < n; r += W) (Vec<T>::loadu(d + r) * Vec<T>::loadu(g + r) * vscale).store(d + r);
+    }
+  };
   if (want_dmask) {
     ds_tile(std::false_type{});
     T* dm = x.dmask + (bh * Lq + i0) * Lk + j0;
     for (int64_t c = 0; c < bn; ++c) {
       for (int64_t r = 0; r < bm; ++r) dm[r * Lk + c] = dpt[c * BM + r];
     }
-    for (int64_t c = 0; c < bn; ++c) scale_row(dpt + c * BM, bm, T(p.scale));
+    if (capped) {
+      uncap(static_cast<T>(p.scale));
+    } else {
+      for (int64_t c = 0; c < bn; ++c) scale_row(dpt + c * BM, bm, T(p.scale));
+    }
+  } else if (capped) {
+    ds_tile(std::false_type{});
+    uncap(static_cast<T>(p.scale));
   } else {
     ds_tile(std::true_type{});
   }
@@ -830,6 +879,7 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
   constexpr int64_t W = Vec<T>::size();
   const T scale = static_cast<T>(p.scale);
   const Vec<T> vscale(scale);
+  const bool capped = p.softcap > 0;  // see bwd_tile
   const T* lse = x.lse + bh * Lq + i0;
   const T* lo = x.lse_lo ? x.lse_lo + bh * Lq + i0 : nullptr;
   T* P = s.st.data();    // bm x bn
@@ -843,13 +893,15 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
     } else {
       dots(x.q(b, h, i0 + r), x.k(b, hk, j0), x.k.si, bn, D, pr);
     }
-    if (apply_mask) scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, scale, pr, s.row.data());
+    T* gr = capped ? s.cap.data() + r * bn : nullptr;
+    if (capped) softcap_row(pr, bn, scale, static_cast<T>(p.softcap), gr);
+    if (apply_mask) scale_and_mask_row(p.mask, b, h, i0 + r, j0, bn, capped ? T(1) : scale, pr, s.row.data());
     const int64_t seen = p.causal ? std::clamp<int64_t>(i0 + r + p.causal_offset - j0 + 1, 0, bn) : bn;
     const Vec<T> l(lse[r]), l_lo(lo ? lo[r] : T(0));
     for (int64_t c = 0; c < seen; c += W) {
       const int64_t w = std::min(W, seen - c);
       Vec<T> e = Vec<T>::loadu(pr + c, w);
-      if (!apply_mask) e = e * vscale;
+      if (!apply_mask && !capped) e = e * vscale;
       e = e - l;
       if (lo) e = e - l_lo;
       vexp(e).store(pr + c, w);
@@ -883,6 +935,9 @@ void bwd_rows(const AttnParams& p, const BwdOperands<T>& x, BwdScratch<T>& s, in
       }
     }
     if (x.dmask && want_dkdv) std::copy(dr, dr + bn, x.dmask + (bh * Lq + i0 + r) * Lk + j0);
+    if (capped) {
+      for (int64_t c = 0; c < bn; ++c) dr[c] *= gr[c];
+    }
     scale_row(dr, bn, scale);
   }
   if (want_dkdv) {
@@ -940,7 +995,7 @@ void attention_bwd_kernel(const AttnParams& p, const BwdOperands<acc_t<scalar_t>
   const int64_t ld_m = (BM + W - 1) / W * W;  // bwd_tile's ld: whole vectors of rows
   const int64_t n_kb = (p.Lk + BN - 1) / BN;
   const Rows<scalar_t> dk_rows(dk), dv_rows(dv);
-  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled); };
+  auto make_scratch = [&] { return BwdScratch<T>(ld_m, BN, D, p.dropout.enabled, p.softcap > 0); };
 
   // dK, dV of key tile [j0, j0 + BN) of kv head hk (all its query heads), plus dQ if asked.
   auto key_tile = [&](BwdScratch<T>& s, int64_t b, int64_t hk, int64_t kb, bool want_dq) {
@@ -1012,7 +1067,12 @@ at::Tensor exact_large_lse(const AttnParams& p, const Rows<const T>& q, const Ro
       const int64_t row = large[t];
       const int64_t b = row / (p.H * p.Lq), h = (row / p.Lq) % p.H, i = row % p.Lq, hk = h / p.group;
       const int64_t n = p.kv_end(b, i, 1);  // key lengths and the causal diagonal
-      for (int64_t j = 0; j < n; ++j) s[j] = gemm_dot(q(b, h, i), k(b, hk, j), D) * T(p.scale);
+      if (p.softcap > 0) {  // capped as the backward's tiles cap them
+        for (int64_t j = 0; j < n; ++j) s[j] = gemm_dot(q(b, h, i), k(b, hk, j), D);
+        softcap_row(s.data(), n, T(p.scale), T(p.softcap), static_cast<T*>(nullptr));
+      } else {
+        for (int64_t j = 0; j < n; ++j) s[j] = gemm_dot(q(b, h, i), k(b, hk, j), D) * T(p.scale);
+      }
       if (p.mask) {
         load_mask_row(p.mask, b, h, i, 0, n, mask_row.data());
         apply_mask_row(p.mask, mask_row.data(), s.data(), n, 1);
@@ -1105,13 +1165,14 @@ std::vector<int64_t> cpu_attention_tiles(int64_t head_dim, int64_t element_size,
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  const std::optional<at::Tensor>& key_lengths, bool is_causal,
-                                                 int64_t causal_offset, double dropout_p, double scale, int64_t seed) {
+                                                 int64_t causal_offset, double dropout_p, double scale, int64_t seed,
+                                                 double softcap) {
   check_qkv(q_in, k, v);
   const at::Tensor q = rows_in_place(q_in);
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto mask = canonical_mask(attn_mask, q, k);
   const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
-  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
+  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap);
 
   at::Tensor out = cpu::empty(q.sizes(), q.options());  // contiguous
   at::Tensor lse = cpu::empty({p.B, p.H, p.Lq}, q.options().dtype(acc));
@@ -1127,7 +1188,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths,
-    bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad) {
+    bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad,
+    double softcap) {
   check_qkv(q, k, v);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ",
               q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
@@ -1141,7 +1203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
               "mask_grad: the gradient of attn_mask needs a floating-point attn_mask");
   const at::Tensor lengths = canonical_lengths(key_lengths, q.size(0));
-  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed);
+  const AttnParams p = make_params(q, k, mask, lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap);
 
   at::Tensor dq = cpu::empty(q.sizes(), q.options());
   at::Tensor dk = cpu::empty(k.sizes(), k.options());

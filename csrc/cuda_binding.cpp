@@ -137,12 +137,20 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   return in;
 }
 
+// fasttrans.attention runs soft-capped scores on the reference on CUDA; this guards direct calls
+void check_no_softcap(double softcap) {
+  TORCH_CHECK(softcap == 0.0, "softcap: the CUDA extension's attention kernels do not soft-cap scores, got softcap=",
+              softcap);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& attn_mask,
                                                  const std::optional<at::Tensor>& key_lengths, bool is_causal,
-                                                 int64_t causal_offset, double dropout_p, double scale, int64_t seed) {
+                                                 int64_t causal_offset, double dropout_p, double scale, int64_t seed,
+                                                 double softcap) {
+  check_no_softcap(softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionInputs in =
       attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
@@ -157,7 +165,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths,
-    bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad) {
+    bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad,
+    double softcap) {
+  check_no_softcap(softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionInputs in =
       attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);

@@ -56,10 +56,10 @@ const c10::TypedOperatorHandle<NormBwd>& norm_bwd_op() {
 
 using AttentionFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                        const OptTensor&, const OptTensor&, bool, c10::SymInt, double,
-                                                       double, c10::SymInt);
+                                                       double, c10::SymInt, double);
 using AttentionBwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const OptTensor&, const OptTensor&, bool, c10::SymInt, double, double, c10::SymInt, bool);
+    const OptTensor&, const OptTensor&, bool, c10::SymInt, double, double, c10::SymInt, bool, double);
 
 const c10::TypedOperatorHandle<AttentionFwd>& attention_fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -209,7 +209,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     {
       at::AutoDispatchBelowAutograd below;
       std::tie(out, lse) =
-          attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+          attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                                  0.0);
     }
     const at::Tensor mask = attn_mask.value_or(at::Tensor());
     ctx->save_for_backward({q, k, v, out, lse, mask, key_lengths.value_or(at::Tensor())});
@@ -253,7 +254,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       at::AutoDispatchBelowAutograd below;
       std::tie(dq, dk, dv, dmask) =
           attention_bwd_op().call(last_dim_unit_stride(grads[0]), q, k, v, out, lse, optional(mask),
-                                  optional(key_lengths), is_causal, causal_offset, dropout_p, scale, seed, mask_grad);
+                                  optional(key_lengths), is_causal, causal_offset, dropout_p, scale, seed, mask_grad,
+                                  0.0);
       dmask = mask_grad ? dmask.to(mask.scalar_type()) : at::Tensor();
     }
     return {dq, dk, dv, dmask, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
@@ -326,7 +328,8 @@ std::pair<at::Tensor, at::Tensor> run_attention(bool forced, const at::Tensor& q
   }
   at::AutoDispatchBelowAutograd below;
   auto [out, lse] =
-      attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+      attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                                  0.0);
   return {out, lse};
 }
 

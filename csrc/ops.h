@@ -17,12 +17,12 @@ namespace fasttrans {
   std::tuple<at::Tensor, at::Tensor> attention_fwd(                                                               \
       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask, \
       const std::optional<at::Tensor>& key_lengths, bool is_causal, int64_t causal_offset, double dropout_p,     \
-      double scale, int64_t seed);                                                                                \
+      double scale, int64_t seed, double softcap = 0.0);                                                          \
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(                                       \
       const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,                     \
       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,                  \
       const std::optional<at::Tensor>& key_lengths, bool is_causal, int64_t causal_offset, double dropout_p,     \
-      double scale, int64_t seed, bool mask_grad);                                                                \
+      double scale, int64_t seed, bool mask_grad, double softcap = 0.0);                                          \
   at::Tensor attention_dropout_mask(const at::Tensor& q, const at::Tensor& k, double dropout_p, int64_t seed);    \
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(                                            \
       const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,   \

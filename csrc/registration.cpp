@@ -11,11 +11,12 @@
 TORCH_LIBRARY(fasttrans, m) {
   m.def(
       "attention_fwd_extension(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_lengths, "
-      "bool is_causal, SymInt causal_offset, float dropout_p, float scale, SymInt seed) -> (Tensor, Tensor)");
+      "bool is_causal, SymInt causal_offset, float dropout_p, float scale, SymInt seed, float softcap=0.0) "
+      "-> (Tensor, Tensor)");
   m.def(
       "attention_bwd_extension(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? attn_mask, Tensor? key_lengths, bool is_causal, SymInt causal_offset, float dropout_p, "
-      "float scale, SymInt seed, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float scale, SymInt seed, bool mask_grad, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_dropout_mask_extension(Tensor q, Tensor k, float dropout_p, SymInt seed) -> Tensor");
   m.def(
       "norm_fwd_extension(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool rms) "

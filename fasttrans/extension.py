@@ -583,16 +583,18 @@ class _ExtensionImpl:
             return f"the extension was built without its CUDA kernels: {self.cuda_reason}"
         return None
 
-    def attention_fwd(self, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+    def attention_fwd(self, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                      softcap=0.0):
         return self._ops.attention_fwd_extension(
-            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), float(scale), int(seed)
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), float(scale), int(seed),
+            float(softcap),
         )
 
     def attention_bwd(self, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
-                      scale, seed, mask_grad):
+                      scale, seed, mask_grad, softcap=0.0):
         dq, dk, dv, dmask = self._ops.attention_bwd_extension(
             dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p),
-            float(scale), int(seed), bool(mask_grad),
+            float(scale), int(seed), bool(mask_grad), float(softcap),
         )
         return dq, dk, dv, (dmask if mask_grad else None)
 

@@ -320,6 +320,7 @@ def attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with every mask kind, fused where a kernel exists.
 
@@ -345,18 +346,25 @@ def attention(
             scale and the masks, and its weight goes to no value; it gets a gradient. Any
             backend: the kernels' output and log-sum-exp are rescaled by the sink's share,
             and their backward takes the rescaled gradient.
+        softcap: > 0 soft-caps the scaled scores before the masks, as Gemma 2 does:
+            softcap * tanh(s / softcap); None or 0 leaves them as they are. The CPU
+            extension's kernels compute it (forward and backward); elsewhere it runs on the
+            reference, with a one-time warning (an error when a backend is forced).
 
     Returns:
         (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
     """
-    if sinks is not None:
+    if softcap is not None:
+        softcap = _validated_softcap(softcap)
+    if sinks is not None or softcap:
         _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
-        _validate_sinks(sinks, q)
+        if sinks is not None:
+            _validate_sinks(sinks, q)
         if v.shape[3] != k.shape[3]:
             return _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
-                                              scale, sinks)
+                                              scale, sinks, softcap)
         return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
-                                      sinks)
+                                      sinks, softcap)
     if (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(q) in _PLAIN_TENSORS and not _is_compiling()
             and _functorch.maybe_current_level() is None and getattr(_fwAD, "_current_level", 0) < 0
             and _dispatch_stack_len is not None and not _dispatch_stack_len() and q.dtype in _FLOAT_DTYPES):
@@ -377,11 +385,12 @@ def attention(
     _validate_attention(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
     if v.shape[3] != k.shape[3]:  # the common entries above take one head dim and refuse this call
         return _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
-                                          scale, None)
+                                          scale, None, None)
     return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale)
 
 
-def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks):
+def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks,
+                               softcap):
     """Attention whose values have another head dim than the queries and keys: the kernels
     take one head dim, so the smaller side gets zeros up to the larger, which change no score
     (the scale stays that of q's head dim) and no output column kept."""
@@ -391,8 +400,17 @@ def _attention_other_value_dim(q, k, v, attn_mask, key_lengths, is_causal, causa
         v = torch.nn.functional.pad(v, (0, D - Dv))
     else:
         q, k = torch.nn.functional.pad(q, (0, Dv - D)), torch.nn.functional.pad(k, (0, Dv - D))
-    out = attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks)
+    out = attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks,
+                                 softcap)
     return out[..., :Dv] if Dv < D else out  # a view: callers that merge the heads copy it once anyway
+
+
+def _validated_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a finite float > 0, 0 or None, got {_type_name(softcap)}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ShapeError(f"softcap: expected a finite float > 0, 0 or None, got {softcap!r}")
+    return float(softcap)
 
 
 def _validate_sinks(sinks, q) -> None:
@@ -406,18 +424,22 @@ def _validate_sinks(sinks, q) -> None:
                          f"broadcastable to (B, H, Lq) = {(B, H, Lq)}, got {tuple(sinks.shape)}")
 
 
-def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks=None):
+def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks=None,
+                           softcap=None):
     """:func:`attention` with positional arguments that are valid by construction, without
     the checks that would cost every call again: the entry point of the layers above
     (``fasttrans.nn`` and ``fasttrans.models`` build the arguments after their own checks).
     Not for users: invalid arguments here are not reported."""
     if dropout_p == 1.0:  # every weight dropped, as torch allows: zeros that keep the graph (zero gradients)
         return attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, 0.0, scale,
-                                      sinks) * 0.0
+                                      sinks, softcap) * 0.0
     B, H, Lq, D = q.shape
     # clamped to [-Lq, Lk]: the same masks (past Lk - 1 every query sees every key, at -Lq
     # or below none sees any), in the int64 range the ops take
     causal_offset = max(-Lq, min(causal_offset, k.shape[2]))
+    if softcap:
+        return _attention_softcapped(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
+                                     sinks, softcap)
     if sinks is not None:
         return _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
                                      sinks)
@@ -463,6 +485,29 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
             q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)[0]
     return _run("attention", q.device, q.dtype, (q, k, v, attn_mask), q, k, v, attn_mask, key_lengths, is_causal,
                 causal_offset, float(dropout_p), scale, seed)[0]
+
+
+def _attention_softcapped(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks,
+                          softcap):
+    """Attention with soft-capped scores through the registered ops of a backend whose kernels
+    cap them (backends.softcaps), else (and with sinks) on the reference's PyTorch ops."""
+    q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
+    seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
+    args = (q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
+    name = (_selected_backend("attention", str(q.device), q.dtype) if _is_compiling()
+            else backends.select_backend("attention", q.device, q.dtype).name)
+    fused = backends.softcaps(name, q.device) and sinks is None
+    if not fused and name != "reference":
+        what = "soft-capped attention with sinks" if sinks is not None else "soft-capped attention"
+        _fall_back_to_reference(what, f"{what} on {q.device.type}",
+                                f"the {name} backend's kernels do not soft-cap scores"
+                                + (" with sinks" if sinks is not None else ""))
+    if (not fused or q.numel() == 0 or _on_reference_for_head_dim(q.shape[3])
+            or _on_reference_under_transform("attention", q, k, v, attn_mask, sinks)):
+        if sinks is not None:
+            return backends.reference_impl().attention_with_sinks(q, k, v, attn_mask, sinks, *args[4:], softcap)
+        return backends.reference_impl().attention_fwd(*args, softcap)[0]
+    return backends.forward_op(name, "attention")(*args, softcap)[0]
 
 
 def _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks):

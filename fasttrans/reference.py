@@ -78,8 +78,8 @@ def _compute_dtype(q: torch.Tensor, upcast: bool) -> torch.dtype:
     return accumulation_dtype(q) if upcast else q.dtype
 
 
-def _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast=True):
-    """fp32 scores (B, H, Lq, Lk) with -inf where masked, and the bool allowed mask."""
+def _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast=True, softcap=0.0):
+    """fp32 scores (B, H, Lq, Lk) with -inf where masked; soft-capped (before the masks) when softcap > 0."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -87,6 +87,8 @@ def _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcas
     k = k.repeat_interleave(H // max(Hkv, 1), dim=1)  # (B, H, Lk, D); no heads at all: H = Hkv = 0
     acc = _compute_dtype(q, upcast)  # fp32 (fp64 for fp64) unless asked for the low-precision baseline
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         s = s + attn_mask.to(s.dtype)
     allowed = allowed_mask(
@@ -108,12 +110,13 @@ def attention_probs(
     causal_offset: int = 0,
     scale: float | None = None,
     upcast: bool = True,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Softmax probabilities (B, H, Lq, Lk) in fp32 (fp64 for fp64 inputs; q's dtype if not upcast).
 
     Rows where no key is allowed (every score -inf) are all zeros, not NaN.
     """
-    s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast)
+    s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast, softcap)
     if s.shape[-1] == 0:  # no keys at all: every row is fully masked
         return s.clone()
     row_max = s.amax(dim=-1, keepdim=True)
@@ -137,6 +140,7 @@ def attention_with_lse(
     dropout_mask: torch.Tensor | None = None,
     upcast: bool = True,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output (B, H, Lq, D) in q's dtype, and the fp32 log-sum-exp (B, H, Lq).
 
@@ -149,10 +153,13 @@ def attention_with_lse(
     log-sum-exp includes it, and a row with no allowed key gives the sink all its weight:
     output 0.
 
+    ``softcap`` > 0 soft-caps the scaled scores before the masks, as Gemma 2 does:
+    softcap * tanh(q k^T * scale / softcap); 0 leaves them as they are.
+
     ``upcast=False`` computes everything in the input dtype: the "same-precision PyTorch"
     baseline of the low-precision error rule used by the tests.
     """
-    s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast)
+    s = _scores(q, k, attn_mask, key_lengths, is_causal, causal_offset, scale, upcast, softcap)
     if sinks is not None:
         B, H, Lq, _ = s.shape
         rows = sinks.view(1, H, 1) if sinks.dim() == 1 else sinks  # (H,): one per head
@@ -167,7 +174,7 @@ def attention_with_lse(
     else:
         p = attention_probs(
             q, k, attn_mask=attn_mask, key_lengths=key_lengths,
-            is_causal=is_causal, causal_offset=causal_offset, scale=scale, upcast=upcast,
+            is_causal=is_causal, causal_offset=causal_offset, scale=scale, upcast=upcast, softcap=softcap,
         )
     if dropout_p > 0.0:
         if dropout_mask is None:
@@ -334,38 +341,40 @@ class ReferenceImpl:
         return cls.attention_dropout_mask(q, k, dropout_p, seed) if dropout_p > 0 else None
 
     @classmethod
-    def attention_fwd(cls, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+    def attention_fwd(cls, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                      softcap=0.0):
         return attention_with_lse(
             q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
             causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
-            dropout_mask=cls._keep(q, k, dropout_p, seed),
+            dropout_mask=cls._keep(q, k, dropout_p, seed), softcap=softcap,
         )
 
     @classmethod
     def attention_with_sinks(cls, q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale,
-                             seed):
+                             seed, softcap=0.0):
         """attention_fwd's output with the sink logits ``sinks``, (H,) or broadcastable to
         (B, H, Lq), in PyTorch ops that autograd differentiates (sinks included)."""
         return attention_with_lse(
             q, k, v, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
             causal_offset=causal_offset, dropout_p=dropout_p, scale=scale,
-            dropout_mask=cls._keep(q, k, dropout_p, seed), sinks=sinks,
+            dropout_mask=cls._keep(q, k, dropout_p, seed), sinks=sinks, softcap=softcap,
         )[0]
 
     @classmethod
     def attention_bwd(cls, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                      dropout_p, scale, seed, mask_grad):
+                      dropout_p, scale, seed, mask_grad, softcap=0.0):
         # Explicit formulas (custom-op bodies run below autograd, so no autograd here):
         #   P = softmax(S), Pd = P * keep / (1 - p), O = Pd V
         #   dV = Pd^T dO      dPd = dO V^T      dP = dPd * keep / (1 - p)
         #   dS = P * (dP - rowsum(dO * O))      dQ = scale dS K      dK = scale dS^T Q
-        # and dS is also the gradient of an additive float mask.
+        # and dS is also the gradient of an additive float mask. Soft-capped scores,
+        # S = c tanh(R / c) with R = scale q k^T, multiply dS by dS/dR = 1 - tanh(R / c)^2.
         B, H, Lq, D = q.shape
         group = H // k.shape[1]
         acc = accumulation_dtype(q)
         p = attention_probs(
             q, k, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=is_causal,
-            causal_offset=causal_offset, scale=scale,
+            causal_offset=causal_offset, scale=scale, softcap=softcap,
         ).to(acc)  # (B, H, Lq, Lk)
         keep = cls._keep(q, k, dropout_p, seed)
         drop = keep.to(acc) / (1.0 - dropout_p) if keep is not None else None
@@ -379,13 +388,15 @@ class ReferenceImpl:
             dp = dp * drop
         delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, Lq, 1)
         ds = p * (dp - delta)
+        dmask = ds if mask_grad else None  # fp32 (fp64 for fp64 inputs)
+        if softcap:
+            ds = ds * (1.0 - torch.tanh(torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale / softcap).square())
         dq = scale * ds @ kf
         dk = scale * ds.transpose(-1, -2) @ q.to(acc)
 
         def per_kv_head(t):  # (B, H, Lk, D) -> (B, Hkv, Lk, D): sum over the query heads of a group
             return t.view(B, H // group, group, *t.shape[2:]).sum(2)
 
-        dmask = ds if mask_grad else None  # fp32 (fp64 for fp64 inputs)
         return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype), dmask
 
     @staticmethod

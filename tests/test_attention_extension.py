@@ -386,8 +386,9 @@ def _huge_score_inputs(kind, fill, D, device, Lq=70, zero_length=True):
     return q, k, v, torch.randn_like(q), kw
 
 
-def _check_huge_scores(kind, fill, D, device, dropout_p=0.0, Lq=70):
+def _check_huge_scores(kind, fill, D, device, dropout_p=0.0, Lq=70, softcap=None):
     q, k, v, dout, kw = _huge_score_inputs(kind, fill, D, device, Lq)
+    kw["softcap"] = softcap
     ref_kw = dict(kw)
     if dropout_p:  # the reference drops what the extension's seed draw drops (its keep-mask hook)
         torch.manual_seed(7)
@@ -494,6 +495,67 @@ def test_backward_is_deterministic(ext, schedule):
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------
+# soft-capped scores (softcap: Gemma 2's logit soft-capping)
+# ---------------------------------------------------------------------------------------
+# Every tile layout and mask path of the forward and backward: the single-block dot products
+# (Lq 1, 3), bwd_rows (Lq 1, 2) and bwd_tile, masked and full tiles, the float mask's gradient.
+SOFTCAP_CASES = [
+    ("none", (2, 4, 2, 97, 70, 64)),
+    ("bool", (2, 4, 2, 1, 300, 64)),
+    ("bool+key_lengths+causal_bottom_right", (2, 4, 2, 3, 150, 64)),
+    ("float", (2, 2, 1, 33, 97, 40)),
+    ("float+causal_bottom_right", (1, 2, 1, 2, 37, 200)),
+    ("float_bcast+key_lengths+causal", (1, 2, 2, 97, 33, 128)),
+    ("causal", (1, 2, 1, 130, 40, 16)),
+]
+
+
+def _softcap_inputs(shape, dtype=torch.float32):
+    """q, k, v whose scaled scores (spread about 3) the cap of 2 bends well away from linear."""
+    q, k, v = _qkv(*shape, dtype)
+    return q * 2, k * 1.5, v
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("kind,shape", SOFTCAP_CASES, ids=[c[0] for c in SOFTCAP_CASES])
+def test_soft_capped_scores_match_reference(ext, schedule, kind, shape):
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = _softcap_inputs(shape)
+    kw = _masks(kind, B, H, Lq, Lk, "cpu", torch.float32, zero_length=True)
+    got = _check_against_reference(q, k, v, {**kw, "softcap": 2.0})
+    uncapped = _run(_extension, q, k, v, torch.randn_like(q), kw)
+    assert (got[0] - uncapped[0]).abs().max() > 0.1, "the cap should change the output"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_soft_capped_scores_in_low_precision(ext, dtype):
+    shape = (2, 4, 2, 70, 97, 64)
+    q, k, v = _softcap_inputs(shape, dtype)
+    kw = _masks("bool+key_lengths+causal_bottom_right", *shape[:2], *shape[3:5], "cpu", dtype)
+    _check_against_reference(q, k, v, {**kw, "softcap": 2.0})
+
+
+def test_soft_capped_scores_gradcheck_fp64(ext):
+    q, k, v = (t.requires_grad_() for t in _softcap_inputs((1, 2, 1, 5, 7, 8), torch.float64))
+    bias = make_float_mask((1, 2, 5, 7), "cpu", dtype=torch.float64).requires_grad_()
+    fn = lambda q, k, v, m: _extension(q, k, v, attn_mask=m, is_causal=True, causal_offset=2, softcap=1.5)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias))
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+@pytest.mark.parametrize("Lq, fill", [(2, -1e4), (70, -1e4), (70, -1e9), (70, "logits")], ids=str)
+def test_soft_capped_rows_of_huge_scores(ext, schedule, Lq, fill):
+    """Rows under a mask of -1e9 take the exact log-sum-exp path, which caps as the tiles do;
+    huge products are capped to the cap."""
+    _check_huge_scores("key_lengths+causal_bottom_right", fill, 16, "cpu", Lq=Lq, softcap=3.0)
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"], indirect=True)
+def test_soft_capped_scores_with_dropout(ext, schedule):
+    _check_huge_scores("none", -1e9, 32, "cpu", dropout_p=0.25, softcap=3.0)
 
 
 def _thread_cpu_ticks() -> dict[str, int]:
@@ -701,6 +763,19 @@ def test_opcheck_backward(ext):
         dout = torch.randn_like(out)
         mask_grad = mask is not None and mask.dtype != torch.bool
         torch.library.opcheck(bwd, (dout, q, k, v, out, lse, mask, kl, causal, off, p, scale, seed, mask_grad))
+
+
+def test_opcheck_with_softcap(ext):
+    """The ops' trailing softcap, forward and backward (fakes, autograd, schema)."""
+    fwd, bwd = ext[0], ext[1]
+    for q, k, v, mask, kl, causal, off, p, scale, seed in _op_samples():
+        grad_mask = mask is not None and mask.dtype != torch.bool
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask_leaf = mask.clone().requires_grad_() if grad_mask else mask
+        torch.library.opcheck(fwd, (*leaves, mask_leaf, kl, causal, off, p, scale, seed, 1.5))
+        out, lse = fwd(q, k, v, mask, kl, causal, off, p, scale, seed, 1.5)
+        torch.library.opcheck(bwd, (torch.randn_like(out), q, k, v, out, lse, mask, kl, causal, off, p, scale, seed,
+                                    grad_mask, 1.5))
 
 
 def test_opcheck_dropout_mask(ext):

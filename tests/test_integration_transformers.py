@@ -166,7 +166,8 @@ _MOE_DECODERS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granit
 # multi-head latent attention: queries and keys of 16 dims (8 of them rotary, as head_dim), values of 12
 _MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=12, n_group=1, topk_group=1)
-_MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma3_text", "cohere", "olmo", "olmo2",
+_MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "cohere",
+                  "olmo", "olmo2",
                   "granite", "stablelm", "starcoder2", "gpt_neox", "gptj", "falcon", "opt", "gpt_bigcode",
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium", "minicpm3",
                   *_MOE_DECODERS]
@@ -182,9 +183,10 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_ke
 _MOE_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MOE_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
 # per family: gpt-oss's sliding-window layers with a window shorter than the inputs; the
-# latent attention's dims
+# latent attention's dims; a logit cap that these small models' scores reach
 _OWN = {"gpt_oss": dict(sliding_window=4),
-        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"), _MLA)}
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"), _MLA),
+        **dict.fromkeys(("gemma2", "vaultgemma"), dict(attn_logit_softcapping=0.5))}
 # (intermediate_size: torch._grouped_mm, which runs some families' experts, needs rows of a multiple of 16 bytes)
 _MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=16, intermediate_size=40,
             shared_expert_intermediate_size=16)
@@ -229,12 +231,19 @@ def test_more_families_match_eager(family, causal, one_thread):
     _close_grads(got_grads, want_grads)
 
 
-def test_soft_capped_attention_raises_naming_softcap():
-    """Gemma 2 caps its attention logits, which the kernels do not compute: its forward
-    raises instead of returning other numbers."""
-    twin, _ = ftt.apply(_small_model("gemma2", causal=True))
-    with pytest.raises(ValueError, match="softcap"):
-        twin(input_ids=torch.randint(3, V, (B, L)))
+@pytest.mark.parametrize("family", ["gemma2", "vaultgemma"])
+def test_the_soft_capped_families_reach_their_cap(family):
+    """Gemma 2 and VaultGemma cap their attention logits (fasttrans.attention's softcap): in
+    the configs above the cap changes the logits, so matching eager checks it."""
+    model = _small_model(family, causal=True)
+    ids = torch.randint(3, V, (B, L))
+    with torch.no_grad():
+        capped = model(input_ids=ids).logits
+        for module in model.modules():
+            if getattr(module, "attn_logit_softcapping", None) is not None:
+                module.attn_logit_softcapping = None
+        uncapped = model(input_ids=ids).logits
+    assert (capped - uncapped).abs().max() > 0.05
 
 
 def _farther(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -409,9 +418,9 @@ def test_gqa_keys_and_values_keep_their_heads(monkeypatch):
     assert shapes and all(s == (4, 2) for s in shapes)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma2", "gemma3_text"])
 def test_compiled_forward_has_no_graph_break(family):
-    """Llama; gpt-oss's sinks and sliding windows; Gemma 3's OffsetRMSNorm."""
+    """Llama; gpt-oss's sinks and sliding windows; Gemma 2's logit cap; Gemma 3's OffsetRMSNorm."""
     twin = _pair(family)[1] if family in _CLASSES else ftt.apply(_small_model(family, causal=True))[0]
     ids = torch.randint(3, V, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.long)
@@ -774,7 +783,7 @@ class _Module(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"softcap": 50.0}, "softcap"), ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"head_mask": torch.ones(4)}, "head_mask"), ({"sinks": torch.zeros(4)}, "sinks"),
     ({"sinks": torch.zeros(1, 4, 8, 1), "s_aux": torch.zeros(4)}, "s_aux, sinks"),
     ({"s_aux": torch.zeros(3)}, "s_aux"), ({"s_aux": torch.zeros(4, dtype=torch.long)}, "s_aux"),
     ({"s_aux": [0.0] * 4}, "s_aux"),

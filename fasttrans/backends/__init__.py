@@ -23,10 +23,13 @@ attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout
     key_lengths: None or contiguous int32 (B,) on q.device; values outside [0, Lk] (unchecked on a
         GPU, where reading them would synchronise) are clamped to it.
     Rows with no allowed key: out = 0, lse = +inf.
+    softcap (a trailing argument, 0 when absent; only on the backends and devices of
+    registry.SOFTCAP_DEVICES): > 0 replaces the scaled scores s by softcap * tanh(s / softcap)
+    before the masks are applied.
     Dropout (dropout_p > 0): keep(b, h, i, j) is a pure function of (seed, b, h, i, j);
     probabilities are multiplied by keep / (1 - dropout_p) after the softmax.
 attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-              dropout_p, scale, seed, mask_grad) -> (dq, dk, dv, dmask or None)
+              dropout_p, scale, seed, mask_grad[, softcap]) -> (dq, dk, dv, dmask or None)
     dout contiguous. dk/dv have k/v's shape (summed over the query heads of a kv group).
     dmask (B, H, Lq, Lk) in fp32 [fp64 for fp64 inputs] when mask_grad (the gradient w.r.t.
     a float attn_mask).
@@ -77,6 +80,7 @@ from .registry import (
     mask_helpers,
     reference_impl,
     select_backend,
+    softcaps,
     use_backend,
 )
 from .sinks import attention_with_sinks
@@ -87,5 +91,5 @@ __all__ = [
     "select_backend", "use_backend", "current_forced_backend", "mask_helpers", "reference_impl",
     # the ops and routes fasttrans.functional calls
     "ops_for", "forward_op", "dropout_ops_for", "inference_ops", "eager_route", "selected_route",
-    "last_dim_unit_stride", "BELOW_AUTOGRAD", "norm_tensors", "attention_tensors", "attention_with_sinks",
+    "last_dim_unit_stride", "BELOW_AUTOGRAD", "norm_tensors", "attention_tensors", "attention_with_sinks", "softcaps",
 ]

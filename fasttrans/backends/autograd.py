@@ -42,31 +42,33 @@ def _autograd_formulas(name: str, attention_bwd_op, norm_bwd_op, dropout_bwd_op)
 
 
     def attention_setup(ctx, inputs, output):
-        q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed = inputs
+        q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *softcap = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_lengths)
         ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
+        ctx.softcap = tuple(softcap)  # the op's trailing softcap, where the call passed one
         ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
         ctx.forced = current_forced_backend()
 
     def attention_backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
+        rest = (None,) * (6 + len(ctx.softcap))  # the arguments after attn_mask get no gradient
         if torch.is_grad_enabled():  # backward(create_graph=True): it must be differentiable itself
             _check_second_order("attention", name, ctx.forced)
             grads = _grad_with_graph(
                 lambda q, k, v, m: reference.ReferenceImpl.attention_fwd(
-                    q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
+                    q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *ctx.softcap)[0],
                 (q, k, v, attn_mask), ctx.needs_input_grad[:4], (dout,))
-            return (*grads, None, None, None, None, None, None)
+            return (*grads, *rest)
         # gradients often arrive as views (the heads of a merged (B, L, H*D) gradient) or
         # expanded (stride 0): only a non-unit innermost stride costs a copy
         dq, dk, dv, dmask = attention_bwd_op(
             last_dim_unit_stride(dout), q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-            dropout_p, scale, seed, ctx.mask_grad,
+            dropout_p, scale, seed, ctx.mask_grad, *ctx.softcap,
         )
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
-        return dq, dk, dv, dmask, None, None, None, None, None, None
+        return dq, dk, dv, dmask, *rest
 
 
     def norm_setup(ctx, inputs, output):

@@ -8,7 +8,7 @@ from torch.library import custom_op, register_autograd, register_fake
 
 from .. import reference
 from .autograd import BELOW_AUTOGRAD, _autograd_formulas
-from .registry import BACKENDS
+from .registry import BACKENDS, SOFTCAP_DEVICES
 
 # --------------------------------------------------------------------------------------
 # torch.library registration: one set of ops per backend
@@ -25,14 +25,23 @@ def _make_python_ops(name: str):
     """Define fasttrans::{attention,norm}_{fwd,bwd}_<name> with torch.library.custom_op."""
     backend = BACKENDS[name]
 
+    def _softcap(softcap: float) -> tuple:
+        """The extra argument of a soft-capped call, for the implementations that take one."""
+        if not softcap:
+            return ()
+        if name not in SOFTCAP_DEVICES:
+            raise NotImplementedError(f"softcap: the {name} backend's attention kernels do not soft-cap scores "
+                                      f"(fasttrans.attention runs such calls on a backend that does)")
+        return (softcap,)
+
     @custom_op(f"fasttrans::attention_fwd_{name}", mutates_args=())
     def attention_fwd(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
         key_lengths: torch.Tensor | None, is_causal: bool, causal_offset: int, dropout_p: float,
-        scale: float, seed: int,
+        scale: float, seed: int, softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = backend.impl().attention_fwd(
-            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed
+            q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *_softcap(softcap)
         )
         return out, lse
 
@@ -41,10 +50,11 @@ def _make_python_ops(name: str):
         dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, attn_mask: torch.Tensor | None, key_lengths: torch.Tensor | None,
         is_causal: bool, causal_offset: int, dropout_p: float, scale: float, seed: int, mask_grad: bool,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv, dmask = backend.impl().attention_bwd(
             dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-            dropout_p, scale, seed, mask_grad,
+            dropout_p, scale, seed, mask_grad, *_softcap(softcap),
         )
         return dq, dk, dv, _none_to_empty(dmask, q.new_empty(0, dtype=torch.float32))
 
@@ -114,7 +124,7 @@ def _register_fake_and_autograd(name: str) -> None:
     ns = torch.ops.fasttrans
 
     @register_fake(f"fasttrans::attention_fwd_{name}")
-    def _(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+    def _(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap=0.0):
         _check_fake_devices(q=q, k=k, v=v, attn_mask=attn_mask, key_lengths=key_lengths)
         B, H, Lq, D = q.shape
         return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
@@ -123,7 +133,7 @@ def _register_fake_and_autograd(name: str) -> None:
 
     @register_fake(f"fasttrans::attention_bwd_{name}")
     def _(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
-          mask_grad):
+          mask_grad, softcap=0.0):
         _check_fake_devices(q=q, dout=dout, k=k, v=v, out=out, lse=lse, attn_mask=attn_mask, key_lengths=key_lengths)
         B, H, Lq, _ = q.shape
         dmask = q.new_empty((B, H, Lq, k.shape[2]) if mask_grad else (0,), dtype=reference.accumulation_dtype(q))

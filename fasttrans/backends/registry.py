@@ -249,6 +249,15 @@ BACKENDS: dict[str, Backend] = _Registry({
 })
 
 
+# {backend: the device types on which its attention soft-caps scores (attention_fwd's softcap)}
+SOFTCAP_DEVICES = {"reference": ("cpu", "cuda", "meta"), "extension": ("cpu",)}
+
+
+def softcaps(name: str, device: torch.device) -> bool:
+    """Whether backend ``name``'s attention kernels soft-cap scores on ``device``."""
+    return device.type in SOFTCAP_DEVICES.get(name, ())
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")

@@ -70,7 +70,6 @@ SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range 
 
 # keyword arguments of transformers' attention interface that the kernels cannot honour
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping (Gemma 2, Grok)",
     "head_mask": "head masks",
 }
 
@@ -291,7 +290,7 @@ def _packed_attention(query, key, value, kwargs: dict, causal: bool, dropout: fl
     out = FT.attention(
         padded(query, rows_q, H, Lq), padded(key, rows_k, Hkv, Lk), padded(value, rows_k, Hkv, Lk),
         key_lengths=len_k, is_causal=causal, dropout_p=dropout, scale=None if scaling is None else float(scaling),
-        sinks=sinks,
+        sinks=sinks, softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2).reshape(B * Lq, H, out.shape[3]).index_select(0, rows_q).unsqueeze(0)
 
@@ -339,8 +338,8 @@ def attention_forward(
     query (B, H, Lq, D), key (B, Hkv, Lk, D) and value (B, Hkv, Lk, Dv) (grouped-query heads
     go through as they are; Dv may differ from D); returns ((B, Lq, H, Dv), None). Attention
     sinks (``s_aux``, one logit per query head; ``sinks``, one per query row) go to
-    ``fasttrans.attention``'s ``sinks``. Arguments the kernels cannot honour raise
-    ValueError naming them.
+    ``fasttrans.attention``'s ``sinks``, logit soft-capping (``softcap``: Gemma 2's) to its
+    ``softcap``. Arguments the kernels cannot honour raise ValueError naming them.
     """
     _reject_unsupported(module, kwargs)
     sinks = _sinks(kwargs, query)
@@ -380,7 +379,7 @@ def attention_forward(
     out = FT.attention(
         query, key, value, attn_mask=attn_mask, key_lengths=key_lengths, is_causal=flag,
         causal_offset=Lk - Lq if flag else 0, dropout_p=float(dropout),
-        scale=None if scaling is None else float(scaling), sinks=sinks,
+        scale=None if scaling is None else float(scaling), sinks=sinks, softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,0 +1,174 @@
+"""fasttrans.attention's ``softcap``: scores soft-capped before the masks, as Gemma 2 caps its
+attention logits. Checked against the formula eager attention computes, on the backends
+whose kernels cap (the reference, the CPU extension), with every mask kind, grouped-query
+heads, values of another head dim, sinks and torch.compile; the other backends refuse the
+call when forced, and automatic selection runs it on the reference with a warning. The CPU
+kernels' tile layouts, both backward schedules, low precision and huge scores are
+tests/test_attention_extension.py's."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import fasttrans
+from fasttrans import functional
+from fasttrans.backends import registry
+from fasttrans.functional import ShapeError
+from conftest import backend_params
+
+B, H, HKV, LQ, LK, D = 2, 4, 2, 5, 9, 16
+CAP = 1.5
+CAPPING = [name for name in registry.SOFTCAP_DEVICES]  # the backends whose kernels cap on the CPU
+OTHERS = [p for p in backend_params("attention") if p.values[0] not in CAPPING]
+
+
+def _eager(q, k, v, cap, allowed, bias=None):
+    """Gemma 2's eager attention: scaled scores, divided by the cap, tanh, times the cap,
+    then the mask and the softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(2, 3) / math.sqrt(q.shape[-1])
+    s = torch.tanh(s / cap) * cap
+    if bias is not None:
+        s = s + bias
+    w = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.nan_to_num(w) @ v  # a row with no allowed key: zeros, as fasttrans gives
+
+
+def _inputs(dtype=torch.float64, seed=0, dv=D):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, LQ, D, generator=g).to(dtype) * 3, torch.randn(B, HKV, LK, D, generator=g).to(dtype),
+            torch.randn(B, HKV, LK, dv, generator=g).to(dtype))
+
+
+def _mask(kind: str):
+    """(fasttrans.attention keywords, the bool allowed mask, the float bias) of a mask kind."""
+    g = torch.Generator().manual_seed(5)
+    everything = torch.ones(LQ, LK, dtype=torch.bool)
+    if kind == "causal":  # queries at the end of a cache
+        return dict(is_causal=True, causal_offset=LK - LQ), everything.tril(LK - LQ), None
+    if kind == "bool":
+        allowed = torch.rand(B, 1, LQ, LK, generator=g) < 0.6
+        allowed[1, 0, 2] = False  # a query that sees no key: zeros
+        return dict(attn_mask=allowed), allowed, None
+    if kind == "float":
+        bias = torch.randn(B, 1, LQ, LK, generator=g, dtype=torch.float64)
+        return dict(attn_mask=bias), everything, bias
+    if kind == "key_lengths":  # a sequence with no key at all
+        lengths = torch.tensor([0, 6])
+        return dict(key_lengths=lengths), torch.arange(LK).view(1, 1, 1, LK) < lengths.view(B, 1, 1, 1), None
+    return {}, everything, None
+
+
+def _with_grads(fn, tensors, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    return out.detach(), torch.autograd.grad(out, leaves, dy)
+
+
+@pytest.mark.parametrize("backend", CAPPING)
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "key_lengths"])
+def test_soft_capped_attention_matches_eager_gemma2(kind, backend):
+    q, k, v = _inputs()
+    kw, allowed, bias = _mask(kind)
+    dy = torch.randn(B, H, LQ, D, dtype=torch.float64)
+    tensors = (q, k, v) + ((bias,) if bias is not None else ())
+
+    def ours(q, k, v, *b):
+        with fasttrans.use_backend(backend):
+            return fasttrans.attention(q, k, v, softcap=CAP, **{**kw, **({"attn_mask": b[0]} if b else {})})
+
+    got, got_grads = _with_grads(ours, tensors, dy)
+    want, want_grads = _with_grads(lambda q, k, v, *b: _eager(q, k, v, CAP, allowed, *b), tensors, dy)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+    uncapped = _eager(q, k, v, math.inf, allowed, bias)
+    assert (got - uncapped).abs().max() > 0.1, "the cap should change the output"
+
+
+@pytest.mark.parametrize("backend", CAPPING)
+def test_soft_capping_with_other_value_dims_and_sinks(backend):
+    q, k, v = _inputs(dv=12)
+    sinks = torch.randn(H, dtype=torch.float64)
+    everything = torch.ones(LQ, LK, dtype=torch.bool)
+    with fasttrans.use_backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sinks with a cap: the reference on every backend
+        got = fasttrans.attention(q, k, v, softcap=CAP)
+        with_sinks = fasttrans.attention(q, k, v, softcap=CAP, sinks=sinks) if backend == "reference" else None
+    torch.testing.assert_close(got, _eager(q, k, v, CAP, everything))
+    if with_sinks is not None:  # the sink column joins the capped scores' softmax
+        s = torch.tanh(q @ k.repeat_interleave(2, 1).transpose(2, 3) / 4 / CAP) * CAP
+        s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, LQ, 1)], -1)
+        torch.testing.assert_close(with_sinks, s.softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1))
+
+
+@pytest.mark.parametrize("softcap", [None, 0, 0.0])
+def test_no_cap_is_the_uncapped_call(softcap):
+    q, k, v = _inputs(torch.float32)
+    torch.testing.assert_close(fasttrans.attention(q, k, v, softcap=softcap), fasttrans.attention(q, k, v),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("softcap, error", [(-1.0, ShapeError), (float("nan"), ShapeError),
+                                            (float("inf"), ShapeError), (True, TypeError), ("50", TypeError),
+                                            (torch.tensor(50.0), TypeError)])
+def test_bad_softcap_raises_naming_it(softcap, error):
+    q, k, v = _inputs(torch.float32)
+    with pytest.raises(error, match="softcap"):
+        fasttrans.attention(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+def test_a_forced_backend_without_capping_kernels_refuses(backend):
+    q, k, v = _inputs(torch.float32)
+    with fasttrans.use_backend(backend), pytest.raises(fasttrans.BackendUnavailableError, match="soft-cap"):
+        fasttrans.attention(q, k, v, softcap=CAP)
+
+
+def test_automatic_selection_without_capping_kernels_warns_once_and_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(registry, "SOFTCAP_DEVICES", {"reference": ("cpu",)})
+    monkeypatch.setattr(functional, "_reference_warned", set())
+    q, k, v = _inputs(torch.float32)
+    with pytest.warns(RuntimeWarning, match="soft-capped attention on cpu runs on the reference"):
+        got = fasttrans.attention(q, k, v, softcap=CAP)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        fasttrans.attention(q, k, v, softcap=CAP)
+    with fasttrans.use_backend("reference"):
+        torch.testing.assert_close(got, fasttrans.attention(q, k, v, softcap=CAP), rtol=0, atol=0)
+    with fasttrans.use_backend("extension"), pytest.raises(fasttrans.BackendUnavailableError, match="soft-cap"):
+        fasttrans.attention(q, k, v, softcap=CAP)
+
+
+@pytest.mark.parametrize("backend", CAPPING)
+def test_compiled_soft_capping_traces_without_a_graph_break_and_matches_eager(backend):
+    q, k, v = _inputs(torch.float32)
+    kw, _, bias = _mask("float")
+    bias = bias.float()
+    dy = torch.randn(B, H, LQ, D)
+
+    def f(q, k, v, b):
+        return fasttrans.attention(q, k, v, attn_mask=b, key_lengths=torch.tensor([9, 4]), softcap=CAP)
+
+    torch._dynamo.reset()
+    with fasttrans.use_backend(backend):
+        got, got_grads = _with_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), (q, k, v, bias), dy)
+        want, want_grads = _with_grads(f, (q, k, v, bias), dy)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_soft_capping_under_torch_func_grad_runs_on_the_reference():
+    q, k, v = _inputs()
+    everything = torch.ones(LQ, LK, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.func.grad(lambda q: fasttrans.attention(q, k, v, softcap=CAP).sum())(q)
+    want = torch.func.grad(lambda q: _eager(q, k, v, CAP, everything).sum())(q)
+    torch.testing.assert_close(got, want)
