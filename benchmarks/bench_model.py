@@ -40,12 +40,13 @@ Sweeps (select with --sweep):
     hf-families  a training step of each family the integration is tested on (BERT, BART,
               Marian, T5, GPT-2, Llama with 2 key/value heads; gpt-oss with 2 key/value heads,
               attention sinks, a sliding window of 128 keys on every other layer and 4
-              experts, 2 per token) at one small shape: hidden 256, 4 heads, FFN 1024
+              experts, 2 per token; Gemma 2 with 2 key/value heads and its attention logits
+              capped at 50) at one small shape: hidden 256, 4 heads, FFN 1024
               (per expert), vocabulary 8000, 2 layers (2 + 2 for the encoder-decoders),
               batch 8, 128 input tokens with 25% right padding (the pads out of the loss;
               64 target tokens for the encoder-decoders); apply() (and for BERT, GPT-2 and
-              Llama apply(unpad=True), variant [unpad]) against "sdpa" (gpt-oss, which
-              transformers runs on "eager" alone: against "eager"); and gpt-oss's greedy
+              Llama apply(unpad=True), variant [unpad]) against "sdpa" (gpt-oss and Gemma 2,
+              which transformers runs on "eager" alone: against "eager"); and gpt-oss's greedy
               generate() with the KV cache, batch 4, prompt 512, 32 new tokens.
 The seq2seq models run in float32 (--dtype does not apply to them). The hf models run in
 --dtype (the default: float32 on CPU, float16 on CUDA), weights, optimizer state and
@@ -263,8 +264,9 @@ HF_BERT_QUICK = types.SimpleNamespace(name="bert", vocab=256, hidden=64, heads=4
 HF_BERT_BASE_QUICK = types.SimpleNamespace(**{**vars(HF_BERT_QUICK), "layers": 2})
 HF_LLAMA_QUICK = types.SimpleNamespace(name="llama", vocab=256, hidden=64, heads=4, kv_heads=2, ffn=172, layers=1)
 # the hf-families sweep: one small shape for every family the integration is tested on
-HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama", "gpt_oss")
-HF_EAGER_ONLY = ("gpt_oss",)  # families transformers runs on "eager" alone (gpt-oss's sinks): their baseline
+HF_FAMILIES = ("bert", "bart", "marian", "t5", "gpt2", "llama", "gpt_oss", "gemma2")
+# families transformers runs on "eager" alone (gpt-oss's sinks, Gemma 2's logit cap): their baseline
+HF_EAGER_ONLY = ("gpt_oss", "gemma2")
 HF_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)  # gpt-oss's mixture of experts, shrunk
 HF_UNPADDABLE = ("bert", "gpt2", "llama")  # the families apply(unpad=True) runs on real tokens only
 HF_FAMILY = dict(vocab=8000, hidden=256, heads=4, kv_heads=2, ffn=1024, layers=2)
@@ -317,6 +319,11 @@ def build_hf_model(spec: types.SimpleNamespace, device: str, dtype: torch.dtype)
                                      num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                                      head_dim=spec.hidden // spec.heads, intermediate_size=spec.ffn,
                                      eos_token_id=None, **HF_EXPERTS, **common_ids), T.GptOssForCausalLM
+    elif spec.name == "gemma2":  # logits capped at 50 in attention (and at 30 at the output)
+        config, cls = T.Gemma2Config(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                                     num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                                     head_dim=spec.hidden // spec.heads, intermediate_size=spec.ffn,
+                                     bos_token_id=1, eos_token_id=None, **common_ids), T.Gemma2ForCausalLM
     else:
         # no end token: every generate() call produces exactly the tokens asked for
         config, cls = T.LlamaConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,

@@ -418,12 +418,13 @@ def test_hf_sweep_runs_the_models_in_the_dtype_asked(tmp_path):
     } | {(op, "fasttrans-extension", "unpad") for op in ("BertForMaskedLM", "LlamaForCausalLM")}
     assert len(hf) == 18  # BERT's two depths 4 + 4, Llama's unpadded and padded steps 3 + 4, generate 3
     # every family the integration is tested on, its fasttrans copy checked against sdpa's logits
-    # (gpt-oss's against eager's: transformers has no sdpa for its sinks)
+    # (gpt-oss's and Gemma 2's against eager's: transformers has no sdpa for sinks and logit caps)
     families = sorted((r["op"], r["provider"], r["variant"]) for r in rows if r["sweep"] == "hf-families")
     assert families == sorted([(f, p, v) for f in ("bert", "bart", "marian", "t5", "gpt2", "llama")
                                for p, v in (("fasttrans-extension", ""), ("torch", "sdpa"))]
                               + [(f, "fasttrans-extension", "unpad") for f in ("bert", "gpt2", "llama")]
-                              + [("gpt_oss", "fasttrans-extension", ""), ("gpt_oss", "torch", "eager")] * 2)
+                              + [("gpt_oss", "fasttrans-extension", ""), ("gpt_oss", "torch", "eager")] * 2
+                              + [("gemma2", "fasttrans-extension", ""), ("gemma2", "torch", "eager")])
     assert {r["mode"] for r in rows if r["op"] == "gpt_oss"} == {"train step", "decode"}
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["status"] == "ok", r
