@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 
 __all__ = ["FWD_CONFIGS", "FWD_CONFIGS_FP32", "BWD_DKDV_CONFIGS", "BWD_DKDV_CONFIGS_FP32", "BWD_DQ_CONFIGS",
-           "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BY_POINTERS", "DROPOUT_MASK_CONFIG", "TILE_MAP_CONFIG",
+           "BWD_DQ_CONFIGS_FP32", "FP32_IEEE_CLASSES", "BY_POINTERS", "CAPPED", "DROPOUT_MASK_CONFIG",
+           "TILE_MAP_CONFIG",
            "INTERPRETER_CONFIGS", "BEFORE_TRITON_3_9", "TRITON_3_7", "TRITON_3_8", "TRITON_VERSION", "MASK_NONE",
            "MASK_BOOL", "MASK_FLOAT", "dkdv_outputs"]
 
@@ -252,6 +253,11 @@ if TRITON_VERSION < (3, 9):
     BY_POINTERS = {"fwd": {(128, "light"): [_cfg(128, 64, 8, 3)]}} if TRITON_VERSION == (3, 7) else {}
 
 _BOTH = {(256, "light"), (256, "heavy")}
+# Capped scores (SOFTCAP) take the entry of their weight class counted as dropout
+# (kernels/attention.py, _class_weight), but where those tiles spill with the cap's registers
+# these: {(stage, precision class, arch, (head-dim class, weight)): configs} (compile-check).
+CAPPED = {("dkdv", "fp32", arch, (256, "heavy")): [_cfg(16, 16, 8, 1)] for arch in ("sm_80", "sm_90")}
+
 FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
     "fwd": {"sm_90": _BOTH, "sm_80": _BOTH},
     "dq": {"sm_90": _BOTH | {(128, "heavy")}, "sm_80": _BOTH | {(128, "heavy")}},

@@ -16,7 +16,7 @@ import triton
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BY_POINTERS,
+    FP32_IEEE_CLASSES, BY_POINTERS, CAPPED,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, MASK_BOOL, MASK_FLOAT, MASK_NONE, TRITON_VERSION, dkdv_outputs,
 )
 
@@ -76,6 +76,8 @@ def _compile_target(kernel, name: str, cfg: triton.Config, dclass: int | None, w
             constexprs["FOLD_SCALE"] = True
         if "TMA" in kernel.arg_names:
             constexprs["TMA"] = tma
+        if "SOFTCAP" in kernel.arg_names:  # no cap unless the target asks for one
+            constexprs.setdefault("SOFTCAP", 0.0)
         constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = {
         p: io if p in _IO_POINTERS or p == "Mask" else _FIXED_TYPES.get(p, "i32")
@@ -137,6 +139,15 @@ def _with_bool_mask(target: dict) -> dict:
                 signature=dict(target["signature"], Mask="*u8"))
 
 
+def _with_softcap(target: dict) -> dict:
+    """A target with its scores capped (SOFTCAP, Gemma 2's cap of 50): capped launches take the
+    entries of the dropout weight and heavier (kernels/attention.py, _class_weight), whose
+    worst case this is; their SASS is reported, not held to the loop goals."""
+    return dict({k: v for k, v in target.items() if k != "loop_goal"}, config=f"{target['config']}-softcap",
+                constexprs=dict(target["constexprs"], SOFTCAP=50.0, **(
+                    {"FOLD_SCALE": False} if "FOLD_SCALE" in target["constexprs"] else {})))
+
+
 def _runtime_params(kernel) -> list[str]:
     """The kernel's non-constexpr arguments (read from the source under the interpreter, whose
     functions carry no parsed parameters)."""
@@ -181,10 +192,14 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
                                         **({"OUTPUT": out} if out else {}), **label)
                         for c in cfgs for out in outputs]
 
-            for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry
-                targets += builds(cfgs, dclass, weight)
+            for (dclass, weight), cfgs in table[arch].items():  # fp16: every entry, capped or not
+                entry = builds(cfgs, dclass, weight)
                 if tma_route(dclass, weight, torch.float16):  # and by pointer loads, where the layout rules TMA out
-                    targets += builds(BY_POINTERS.get(stage, {}).get((dclass, weight), cfgs), dclass, weight, tma=False)
+                    entry += builds(BY_POINTERS.get(stage, {}).get((dclass, weight), cfgs), dclass, weight, tma=False)
+                targets += entry
+                if weight != "light":
+                    capped = CAPPED.get((stage, "16-bit", arch, (dclass, weight)))
+                    targets += [_with_softcap(t) for t in (entry if capped is None else builds(capped, dclass, weight))]
             # bf16 lowers through the same tensor-core paths; one build per kernel proves it, and
             # every entry with a loop goal is held to it in bf16 too
             goals = [(d, w) for d, w in table[arch] if (name, d, w) in LOOP_GOALS and arch == "sm_90"]
@@ -203,7 +218,11 @@ def compile_targets(*, fwd, dkdv, dq, dropout_mask, tile_map, tile_lists, list_t
             # fp32: every entry of its own tables, in the precision its class runs
             ieee = FP32_IEEE_CLASSES[stage][arch]
             for (dclass, weight), cfgs in table_fp32[arch].items():
-                targets += builds(cfgs, dclass, weight, torch.float32, "ieee" if (dclass, weight) in ieee else "tf32x3")
+                precision = "ieee" if (dclass, weight) in ieee else "tf32x3"
+                targets += builds(cfgs, dclass, weight, torch.float32, precision)
+                if weight != "light":
+                    capped = CAPPED.get((stage, "fp32", arch, (dclass, weight)), cfgs)
+                    targets += [_with_softcap(t) for t in builds(capped, dclass, weight, torch.float32, precision)]
             # single TF32 (allow_tf32) holds half the operand registers of 3xTF32 in the same
             # tiles; one build in the largest 3xTF32 class proves it lowers to tensor cores
             dclass, weight = max((k for k in table_fp32[arch] if k not in ieee), key=lambda k: (k[0], k[1] == "heavy"))

@@ -150,7 +150,7 @@ from . import (_attention_targets, capability, cdiv, device_index, expansion, ne
 from ._attention_configs import (
     FWD_CONFIGS, FWD_CONFIGS_FP32, BWD_DKDV_CONFIGS,
     BWD_DKDV_CONFIGS_FP32, BWD_DQ_CONFIGS, BWD_DQ_CONFIGS_FP32,
-    FP32_IEEE_CLASSES, BY_POINTERS,
+    FP32_IEEE_CLASSES, BY_POINTERS, CAPPED,
     DROPOUT_MASK_CONFIG, TILE_MAP_CONFIG, INTERPRETER_CONFIGS, MASK_NONE, MASK_BOOL, MASK_FLOAT, dkdv_outputs,
 )
 from ._launch import Launcher, Spec, int_class, remember, signature as sig
@@ -212,10 +212,16 @@ def _head_dim_class(block_d: int) -> int:
 def _weight(mask_kind: int, dropout: bool) -> str:
     """The launch's weight class (kernels/_attention_configs.py): "light" without a dense mask
     or dropout, "dropout" with dropout alone, "bool" with a dense bool mask (and dropout or
-    not), "heavy" with a float mask."""
+    not), "heavy" with a float mask. Capped scores (SOFTCAP) weigh as dropout does: the
+    light tiles leave no registers for the cap (_class_weight)."""
     if mask_kind == MASK_NONE:
         return "dropout" if dropout else "light"
     return "bool" if mask_kind == MASK_BOOL else "heavy"
+
+
+def _class_weight(constexprs: dict) -> str:
+    """The weight class of a launch's constexprs (_weight), capped scores counted as dropout."""
+    return _weight(constexprs["MASK_KIND"], constexprs["HAS_DROPOUT"] or constexprs.get("SOFTCAP", 0) > 0)
 
 
 def _table_class(table: dict, block_d: int, weight: str) -> tuple[int, str]:
@@ -581,6 +587,28 @@ def _attention_tile_lists_kernel(
 
 
 @triton.jit
+def _softcap(y, CAP: tl.constexpr):
+    """(CAP tanh(x), r) for y = 2 x log2(e): tanh(x) = 1 - 2r with r = 1 / (2^y + 1), and
+    1 - tanh(x)^2 = 4r (1 - r), the derivative. exp2 and an approximate reciprocal (both
+    run by Triton's interpreter, where libdevice's tanh is not): five instructions a score,
+    with an absolute error near ulp(1), what a score of the cap's size rounds to anyway;
+    y = +-inf gives +-CAP, NaN stays NaN."""
+    e = tl.math.exp2(y) + 1.0
+    r = tl.math.rsqrt(e * e)  # 1 / e in two instructions (e >= 1; e * e = inf gives 0)
+    return r * (-2.0 * CAP) + CAP, r  # the tensor first: the interpreter's constexpr would wrap it
+
+
+@triton.jit
+def _score_scale(scale, SOFTCAP: tl.constexpr):
+    """The factor the score loops apply to the products q.k: the scale in log2 units, or
+    with a cap (SOFTCAP > 0) _softcap's argument for x = scale q.k / SOFTCAP."""
+    f = scale * LOG2E
+    if SOFTCAP > 0:
+        f = scale * (2.0 * LOG2E / SOFTCAP)
+    return f
+
+
+@triton.jit
 def _masked_scores(
     q, k,  # (BLOCK_M, BLOCK_D) query tile, (BLOCK_N, BLOCK_D) key tile
     tile,  # (offs_m, row_ok, d_ok): query rows (BLOCK_M,), rows < Lq, head-dim lanes < HEAD_DIM
@@ -590,11 +618,15 @@ def _masked_scores(
     causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     ELEMENT_MASKED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FOLD_SCALE: tl.constexpr = False, BITS: tl.constexpr = False,
+    FOLD_SCALE: tl.constexpr = False, BITS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """Scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask forbids; with
-    FOLD_SCALE (no float mask, scale > 0), q k^T unscaled, for _online_softmax_step to scale.
-    With BITS (a listed partial tile of a bool mask) the mask is read from its bits, mask[4:6].
+    """(scores, g): scores q k^T * scale (log2 units) of one tile pair, -inf wherever a mask
+    forbids; with FOLD_SCALE (no float mask, scale > 0), q k^T unscaled, for
+    _online_softmax_step to scale. With BITS (a listed partial tile of a bool mask) the mask
+    is read from its bits, mask[4:6]. With SOFTCAP > 0 the scores are capped before the masks,
+    SOFTCAP tanh(q k^T scale / SOFTCAP) (qk_scale is _score_scale's), and g = 1 - tanh^2 is
+    their derivative by the scaled products, which the dQ backward multiplies its score
+    gradient by; without a cap g is s (unused).
 
     Shared by the forward and the dQ backward so both see exactly the same masked scores.
     """
@@ -604,8 +636,13 @@ def _masked_scores(
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
+    g = s
     if FOLD_SCALE:
         tl.static_assert(MASK_KIND != 2, "a float mask is added to scaled scores")
+        tl.static_assert(SOFTCAP == 0, "capped scores are scaled here")
+    elif SOFTCAP > 0:
+        s, r = _softcap(s * qk_scale, SOFTCAP * LOG2E)
+        g = 4.0 * r * (1.0 - r)
     else:
         s = s * qk_scale
     if MASK_KIND != 0:
@@ -642,7 +679,7 @@ def _masked_scores(
         if IS_CAUSAL:
             allowed = allowed & (cols[None, :] <= offs_m[:, None] + causal_offset)
         s = tl.where(allowed, s, float("-inf"))
-    return s
+    return s, g
 
 
 @triton.jit
@@ -686,7 +723,7 @@ def _key_tile_scores(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
-    SKIP_DEAD: tl.constexpr = False, TMA: tl.constexpr = False,
+    SKIP_DEAD: tl.constexpr = False, TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
     """The key tile at start_n, loaded, and the query tile's masked scores against it:
     (scores, (start_n as int64, key columns, columns < kv_len, keys to load)); unscaled with
@@ -711,9 +748,9 @@ def _key_tile_scores(
         load_ok = col_ok
         k = _load_tile(k_ptrs, col_ok, d_ok, ELEMENT_MASKED, MASK_D)
     key_tile = (start_n64, cols, col_ok, load_ok)
-    s = _masked_scores(q, k, tile, key_tile[:3], mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
-                       MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
-                       SKIP_DEAD and MASK_KIND == 1)
+    s, _ = _masked_scores(q, k, tile, key_tile[:3], mask, dense, causal_offset, qk_scale, BLOCK_M, BLOCK_N,
+                          MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE,
+                          SKIP_DEAD and MASK_KIND == 1, SOFTCAP)
     return s, key_tile
 
 
@@ -768,6 +805,7 @@ def _attention_fwd_inner(
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
     LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE, TMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     acc, l_i, m_i = state
     offs_m, _, d_ok = tile
@@ -786,6 +824,7 @@ def _attention_fwd_inner(
         s, key_tile = _key_tile_scores(
             q, tile, keys, mask, (live, dense), start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
             MASK_D, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION, FOLD_SCALE, SKIP_DEAD, TMA,
+            SOFTCAP,
         )
         start_n64, cols, col_ok, load_ok = key_tile
         p, alpha, l_i, m_new = _online_softmax_step(s, l_i, m_i, qk_scale, FOLD_SCALE)
@@ -835,6 +874,7 @@ def _attention_fwd_kernel(
     FOLD_SCALE: tl.constexpr,  # scale > 0, no dropout: see _online_softmax_step
     LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
     TMA: tl.constexpr,  # keys and values through tensor descriptors (TMA on sm_90), see _tma_layout
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: scores capped, SOFTCAP tanh(scale q.k / SOFTCAP), before the masks
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
@@ -865,7 +905,7 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    qk_scale = scale * LOG2E
+    qk_scale = _score_scale(scale, SOFTCAP)
 
     tile = (offs_m, row_ok, d_ok)
     keys, values = _key_operands(K_head, stride_k_n, V_head, stride_v_n, kv_len, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
@@ -886,26 +926,26 @@ def _attention_fwd_kernel(
             (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
             0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-            FOLD_SCALE, True, LIST_TILE, TMA,
+            FOLD_SCALE, True, LIST_TILE, TMA, SOFTCAP,
         )
         acc, l_i, m_i = _attention_fwd_inner(
             (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
             0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-            FOLD_MASKED, True, LIST_TILE, TMA,
+            FOLD_MASKED, True, LIST_TILE, TMA, SOFTCAP,
         )
     lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, DOT_FP32, INPUT_PRECISION,
-        FOLD_MASKED, False, MAP_TILE, TMA,
+        FOLD_MASKED, False, MAP_TILE, TMA, SOFTCAP,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         (acc, l_i, m_i), q, tile, keys, values, mask, dropout, off_b, off_h,
         lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, DOT_FP32, INPUT_PRECISION,
-        FOLD_MASKED, False, MAP_TILE, TMA,
+        FOLD_MASKED, False, MAP_TILE, TMA, SOFTCAP,
     )
 
     # rows that saw no allowed key: l = 0 -> output 0, lse = +inf
@@ -932,6 +972,7 @@ def _attention_row_stats(
     hi, kv_len, causal_offset, qk_scale,  # keys [0, hi); keys < kv_len exist
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Row sums l and maxima m (log2 units) of a query tile's scores over keys [0, hi): the
     forward's statistics, from the same _masked_scores the forward and the dQ kernel use."""
@@ -942,7 +983,7 @@ def _attention_row_stats(
         flags = _tile_flags(mask[3] + start_n // BLOCK_N, MASK_KIND)
         s, _ = _key_tile_scores(
             q, tile, keys, mask, flags, start_n, kv_len, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
-            MASK_D, MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION,
+            MASK_D, MASK_KIND, IS_CAUSAL, True, DOT_FP32, INPUT_PRECISION, SOFTCAP=SOFTCAP,
         )
         _, _, l_i, m_i = _online_softmax_step(s, l_i, m_i, qk_scale, False)
     return l_i, m_i
@@ -972,7 +1013,7 @@ def _exact_rows_stats(
     Lse_bh, Hi_bh, R_bh,  # this (batch, head)'s rows
     start_m, Lq, hi, kv_len, causal_offset, qk_scale,  # keys [0, hi) as the forward visited them
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Hi = m and R = 1 / l of the rows of huge scores among ROWS rows from start_m,
     from the same _masked_scores the forward and the dQ loop use (l is the sum before dropout,
@@ -990,7 +1031,7 @@ def _exact_rows_stats(
                 _map_row(Map_bh, stride_map_m, map_unit, start_m, ROWS, EXACT_KEYS))
         l_x, m_x = _attention_row_stats(
             q, (offs_m, row_ok, d_ok), keys, mask, hi, kv_len, causal_offset, qk_scale,
-            ROWS, EXACT_KEYS, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION,
+            ROWS, EXACT_KEYS, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION, SOFTCAP,
         )
         tl.store(Hi_bh + offs_m, m_x, mask=exact)
         tl.store(R_bh + offs_m, 1.0 / tl.where(exact, l_x, 1.0), mask=exact)  # l >= 1: the maximum's exp(0)
@@ -1017,6 +1058,7 @@ def _attention_bwd_dkdv_inner(
     ELEMENT_MASKED: tl.constexpr,  # False on full tiles: no per-element causal/length masking
     OUTPUT: tl.constexpr,  # "dkdv", or "dk" / "dv" alone (one accumulator: large head dims)
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,  # as _masked_scores's (qk_scale is then _score_scale's)
 ):
     dk, dv = acc
     start_n, cols, col_ok, d_ok = tile
@@ -1066,7 +1108,10 @@ def _attention_bwd_dkdv_inner(
             row_hi = tl.load(Hi_b + row_base)
             delta = tl.load(Delta_b + row_base)
         s_t = _dot(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
-        s_t = s_t * qk_scale  # S^T, (BLOCK_N, BLOCK_M)
+        if SOFTCAP > 0:  # capped as _masked_scores caps, keeping what gives the derivative
+            s_t, r_t = _softcap(s_t * qk_scale, SOFTCAP * LOG2E)
+        else:
+            s_t = s_t * qk_scale  # S^T, (BLOCK_N, BLOCK_M)
         if MASK_KIND != 0:
             mask_ptrs = Mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m \
                 + cols_local[:, None] * stride_mask_n + rows_local[None, :] * stride_mask_m
@@ -1087,6 +1132,11 @@ def _attention_bwd_dkdv_inner(
             # on the rows of huge scores (module docstring; r = 1 elsewhere, the same bits)
             r = tl.load(R_b + row_base, mask=tl.where(rescale, row_ok, False), other=1.0)
             p_t = tl.where(row_ok[None, :], p_t * r[None, :], 0.0)
+        # dS takes P times the cap's derivative 1 - tanh^2: folded in here, so that only one
+        # score tile outlives dV's product, as without a cap
+        pg_t = p_t
+        if SOFTCAP > 0 and OUTPUT != "dv":
+            pg_t = p_t * (4.0 * r_t * (1.0 - r_t))
         if HAS_DROPOUT:
             keep_t = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
@@ -1098,9 +1148,9 @@ def _attention_bwd_dkdv_inner(
         if OUTPUT != "dv":
             dp_t = _dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
             if HAS_DROPOUT:  # a select and an FMA per score: the scale times the kept dP, less delta
-                ds_t = p_t * (tl.where(keep_t, dp_t, 0.0) * inv_keep - delta[None, :])
+                ds_t = pg_t * (tl.where(keep_t, dp_t, 0.0) * inv_keep - delta[None, :])
             else:
-                ds_t = p_t * (dp_t - delta[None, :])
+                ds_t = pg_t * (dp_t - delta[None, :])
             dk = _dot(ds_t.to(q.dtype), q, dk, DOT_FP32, INPUT_PRECISION)
         i += 1
         wrap = i == num_tiles
@@ -1116,7 +1166,7 @@ def _attention_bwd_dkdv_loops(
     Lq, causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, OUTPUT: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """A key tile's three loops over query tiles (arguments as _attention_bwd_dkdv_inner's)."""
     lo, split, mid, end = bounds
@@ -1124,19 +1174,19 @@ def _attention_bwd_dkdv_loops(
         acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale,
         lo, (split - lo) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
+        INPUT_PRECISION, TMA, SOFTCAP,
     )
     acc = _attention_bwd_dkdv_inner(
         acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         split, (mid - split) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, False, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
+        INPUT_PRECISION, TMA, SOFTCAP,
     )
     return _attention_bwd_dkdv_inner(  # empty where rescale: nothing of it lives across the loops
         acc, k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, False,
         mid, (end - mid) // BLOCK_M, Lq, causal_offset, qk_scale,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, True, OUTPUT, DOT_FP32,
-        INPUT_PRECISION, TMA,
+        INPUT_PRECISION, TMA, SOFTCAP,
     )
 
 
@@ -1167,6 +1217,7 @@ def _attention_bwd_dkdv_kernel(
     OUTPUT: tl.constexpr,  # "dkdv"; or "dk" / "dv": two launches, each with one accumulator
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,  # queries and output gradients through tensor descriptors (_tma_layout)
+    SOFTCAP: tl.constexpr = 0.0,  # as the forward's
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1).to(tl.int64)
@@ -1221,7 +1272,7 @@ def _attention_bwd_dkdv_kernel(
         unmasked = full == GROUP * ((end - lo) // BLOCK_M)
     split = tl.minimum(tl.maximum(split, lo), end)
     mid = tl.maximum(split, tl.minimum(end, Lq // BLOCK_M * BLOCK_M))  # [mid, end): Lq's partial tile
-    qk_scale = scale * LOG2E
+    qk_scale = _score_scale(scale, SOFTCAP)
 
     Q_b = Q + off_b * stride_q_b
     DO_b = DO + off_b * stride_do_b
@@ -1251,12 +1302,12 @@ def _attention_bwd_dkdv_kernel(
         dk, dv = _attention_bwd_dkdv_loops(
             (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale, bounds,
             Lq, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT,
-            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA)
+            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA, SOFTCAP)
     else:
         dk, dv = _attention_bwd_dkdv_loops(
             (dk, dv), k, v, tile, queries, grads, mask, stats, dropout, off_b, heads, rescale, bounds,
             Lq, causal_offset, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT,
-            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA)
+            OUTPUT, DOT_FP32, INPUT_PRECISION, TMA, SOFTCAP)
 
     dk = dk * scale
     if HAS_DROPOUT:  # the loops' P is unscaled (_attention_bwd_dkdv_inner)
@@ -1289,6 +1340,7 @@ def _attention_bwd_dq_inner(
     ELEMENT_MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     LISTED: tl.constexpr = False, LIST_TILE: tl.constexpr = MAP_TILE, TMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     q, do, row_hi, delta, r = query_rows
     offs_m, row_ok, d_ok = tile
@@ -1319,10 +1371,17 @@ def _attention_bwd_dq_inner(
                            load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
             v = _load_tile(V_head + start_n64 * stride_v_n + offs_n[:, None] * stride_v_n + offs_d[None, :],
                            load_ok, d_ok, ELEMENT_MASKED or SKIP_DEAD, MASK_D)
-        s = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
-                           BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
-                           False, SKIP_DEAD and MASK_KIND == 1)
+        s, g = _masked_scores(q, k, tile, (start_n64, cols, col_ok), mask, dense, causal_offset, qk_scale,
+                              BLOCK_M, BLOCK_N, MASK_KIND, IS_CAUSAL, ELEMENT_MASKED, DOT_FP32, INPUT_PRECISION,
+                              False, SKIP_DEAD and MASK_KIND == 1, SOFTCAP)
         p = tl.math.exp2(s - row_hi[:, None])
+        if SOFTCAP > 0 and MASK_KIND != 2:
+            # without a float mask the capped scores give r back (masked ones, -inf, give r = 1
+            # and the factor 0): g's tile need not live through the masking
+            r_s = tl.minimum((s - SOFTCAP * LOG2E) * (-0.5 / (SOFTCAP * LOG2E)), 1.0)
+            g = 4.0 * r_s * (1.0 - r_s)
+        if SOFTCAP > 0 and not MASK_GRAD:  # dS's factor 1 - tanh^2 folded into P, as dK/dV does
+            p = p * g
         dp = _dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_FP32, INPUT_PRECISION)
         if HAS_DROPOUT:
             keep = _dropout_keep_tile(seed, dropout_threshold, off_b, off_h, start_m, start_n, BLOCK_M, BLOCK_N, False)
@@ -1336,6 +1395,8 @@ def _attention_bwd_dq_inner(
             # every (row, column) is visited by exactly one program: plain stores, zeros elsewhere
             tl.store(DMask_rows + start_n64 + rows[:, None] * Lk + offs_n[None, :], ds * r[:, None],
                      mask=row_ok[:, None] & (cols < Lk)[None, :])
+        if SOFTCAP > 0 and MASK_GRAD:  # the products' gradient; the float mask's is the one before the cap's
+            ds = ds * g
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32, INPUT_PRECISION)
         if LISTED:
             window = _list_window_step(window, index, hi // SUB, it, SUB)
@@ -1374,6 +1435,7 @@ def _attention_bwd_dq_kernel(
     MASK_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     LIST_TILE: tl.constexpr,  # the tile lists' level (module docstring)
     TMA: tl.constexpr,  # keys and values through tensor descriptors, as the forward's
+    SOFTCAP: tl.constexpr = 0.0,  # as the forward's
 ):
     """dQ of one query tile, after its rows' backward statistics: delta = rowsum(dO * O), hi =
     lse (log2 units) and r = 1, or on the module docstring's rows of huge scores hi = m and r
@@ -1407,7 +1469,7 @@ def _attention_bwd_dq_kernel(
     Q_rows = Q + off_b * stride_q_b + off_h * stride_q_h + start_m64 * stride_q_m
     Mask_rows = Mask + off_b * stride_mask_b + off_h * stride_mask_h + start_m64 * stride_mask_m
     Map_bh = TileMap + off_b * stride_map_b + off_h * stride_map_h
-    qk_scale = scale * LOG2E
+    qk_scale = _score_scale(scale, SOFTCAP)
     tile = (offs_m, row_ok, d_ok)
     keys = (K_head, stride_k_n)
     tl.store(Hi + row_base + offs_m, row_hi, mask=row_ok & ~exact)
@@ -1420,7 +1482,7 @@ def _attention_bwd_dq_kernel(
             _exact_rows_stats(Q_rows + sub * stride_q_m, stride_q_m, keys, Mask_rows + sub * stride_mask_m,
                               stride_mask_m, stride_mask_n, Map_bh, stride_map_m, map_unit, Lse + row_base, Hi + row_base,
                               R + row_base, start_m + sub, Lq, hi, kv_len, causal_offset, qk_scale, STATS_ROWS,
-                              HEAD_DIM, BLOCK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION)
+                              HEAD_DIM, BLOCK_D, MASK_KIND, IS_CAUSAL, DOT_FP32, INPUT_PRECISION, SOFTCAP)
         tl.debug_barrier()  # the other threads' rows
         row_hi = tl.load(Hi + row_base + offs_m, mask=row_ok, other=float("inf"))
         r = tl.load(R + row_base + offs_m, mask=row_ok, other=1.0)
@@ -1460,26 +1522,26 @@ def _attention_bwd_dq_kernel(
             dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
             0, n_full * SUB, kv_len, causal_offset, qk_scale, full_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, 0, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA, SOFTCAP,
         )
         dq = _attention_bwd_dq_inner(
             dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
             0, n_part * SUB, kv_len, causal_offset, qk_scale, part_index,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA,
+            DOT_FP32, INPUT_PRECISION, True, LIST_TILE, TMA, SOFTCAP,
         )
     lo1, hi1, lo2, hi2 = _key_loops(mask, listed_end, full_end, hi, BLOCK_M, BLOCK_N, MASK_KIND)
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
         lo1, hi1, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, False,
-        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA,
+        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA, SOFTCAP,
     )
     dq = _attention_bwd_dq_inner(
         dq, query_rows, tile, keys, values, mask, dmask, dropout, off_b, off_h,
         lo2, hi2, kv_len, causal_offset, qk_scale, codes_row,
         BLOCK_M, BLOCK_N, BLOCK_D, MASK_D, MASK_KIND, IS_CAUSAL, HAS_DROPOUT, MASK_GRAD, True,
-        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA,
+        DOT_FP32, INPUT_PRECISION, False, MAP_TILE, TMA, SOFTCAP,
     )
 
     dq = dq * (r * scale)[:, None]
@@ -1538,6 +1600,8 @@ def _autotuned(kernel, stage: str, *extra_key: str) -> dict:
     tables = {(precision, arch, *k): cfgs for precision, stages in _TABLES.items()
               for arch, table in stages[stage].items() for k, cfgs in table.items()}
     tables.update({("16-bit", "sm_90", *k, "pointers"): cfgs for k, cfgs in BY_POINTERS.get(stage, {}).items()})
+    tables.update({(precision, arch, *k, "capped"): cfgs for (s, precision, arch, k), cfgs in CAPPED.items()
+                   if s == stage})
     return {k: Launcher(triton.autotune(configs=cfgs, key=key)(kernel), _FRESH[kernel], kernel in _SCRATCH_KERNELS)
             for k, cfgs in tables.items()}
 
@@ -1589,7 +1653,7 @@ def _tma_layout(a: torch.Tensor, b: torch.Tensor, spec: Spec, max_head_dim: int 
     boundary, as TMA requires. Otherwise, or with FASTTRANS_TMA=0, by pointer loads
     (cp.async). Decided when a call site is made: the site's key holds what it depends on."""
     c = spec.constexprs
-    if _weight(c["MASK_KIND"], c["HAS_DROPOUT"]) != "light" or c["BLOCK_D"] > max_head_dim:
+    if _class_weight(c) != "light" or c["BLOCK_D"] > max_head_dim:
         return False
     if _interpreting():
         if not TMA_UNDER_INTERPRETER:
@@ -1633,12 +1697,14 @@ def _launch(tuned: dict, kernel, stage: str, grid, args, spec: Spec):
     q = args[0]  # every launch passes q first
     arch, precision = _gpu_arch(q.device), _precision_class(q.dtype)
     c = spec.constexprs
-    cls = _table_class(_TABLES[precision][stage][arch], c["BLOCK_D"], _weight(c["MASK_KIND"], c["HAS_DROPOUT"]))
+    cls = _table_class(_TABLES[precision][stage][arch], c["BLOCK_D"], _class_weight(c))
     if precision == "fp32" and cls in FP32_IEEE_CLASSES[stage][arch]:
         spec = _spec_with(spec, INPUT_PRECISION="ieee")
     key = (precision, arch, *cls)
     if arch == "sm_90" and precision == "16-bit" and not c["TMA"] and cls in BY_POINTERS.get(stage, ()):
         key += ("pointers",)  # tiles chosen for TMA's loops that spill loading by pointers
+    if c.get("SOFTCAP", 0) > 0 and (stage, precision, arch, cls) in CAPPED:
+        key += ("capped",)
     return tuned[key].bind(grid, args, spec, q.device.index)
 
 
@@ -1946,18 +2012,26 @@ def _kv_signature(t: torch.Tensor) -> tuple:
     return B, H, D, t.stride(), t.dtype, t.get_device(), _data_ptr(t) & 15
 
 
-def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dropout_p, scale, seed) -> tuple:
+def _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset: int, dropout_p, scale, seed,
+             softcap=0.0) -> tuple:
     """The forward site's key: Lk and the causal offset by their integer classes and Lk's
-    tuning bucket (see _kv_signature), and whether scale > 0 (FOLD_SCALE)."""
+    tuning bucket (see _kv_signature), whether scale > 0 (FOLD_SCALE), and the cap (SOFTCAP)."""
     Lk = k.shape[2]
     return (sig(q), _kv_signature(k), _kv_signature(v), sig(attn_mask), sig(key_lengths), bool(is_causal),
-            int_class(Lk), _bucket(Lk), int_class(causal_offset), scale > 0, _call_flags(q, dropout_p, seed))
+            int_class(Lk), _bucket(Lk), int_class(causal_offset), scale > 0, _call_flags(q, dropout_p, seed),
+            softcap)
 
 
-def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed):
+def _softcap_constexprs(softcap) -> dict:
+    """The kernels' SOFTCAP where a call caps its scores (the kernels specialise on its value:
+    a model's layers share one), none otherwise."""
+    return {"SOFTCAP": float(softcap)} if softcap else {}
+
+
+def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap=0.0):
     """Backend interface: (out (B, H, Lq, D) in q.dtype, lse (B, H, Lq) fp32; +inf on empty rows)."""
     Lk, causal_offset = k.shape[2], int(causal_offset)
-    key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+    key = _fwd_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap)
     site = _FWD_SITES.get(key)
     (B, H, Lq, D), q_strides = key[0][0], key[0][1]
     # empty_like costs the host half of what torch.empty(shape, dtype=, device=) does
@@ -1987,9 +2061,10 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
             launch(args)
         else:
             spec = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
-            # the row maximum before the scale, which must be positive to commute with it
-            spec = _spec_with(spec, FOLD_SCALE=scale > 0, LIST_TILE=_list_tile(),
-                              TMA=_tma_layout(k, v, spec))
+            # the row maximum before the scale, which must be positive to commute with it (and
+            # come after any cap)
+            spec = _spec_with(spec, FOLD_SCALE=scale > 0 and not softcap, LIST_TILE=_list_tile(),
+                              TMA=_tma_layout(k, v, spec), **_softcap_constexprs(softcap))
             launch = _launch(_FWD_TUNED, _attention_fwd_kernel, "fwd", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                              args, spec)
             remember(_FWD_SITES, key, (launch, ints, tail, geometry))
@@ -1997,17 +2072,17 @@ def attention_fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dro
 
 
 def attention_bwd(dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                  dropout_p, scale, seed, mask_grad):
+                  dropout_p, scale, seed, mask_grad, softcap=0.0):
     """Backend interface: (dq, dk, dv, dmask fp32 (B, H, Lq, Lk) or None), deterministic."""
     lse = lse.contiguous()
     key = (_site_key(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, seed), sig(dout), sig(out),
-           sig(lse), bool(mask_grad))
+           sig(lse), bool(mask_grad), softcap)
     return _attention_bwd(key, _BWD_SITES, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal,
-                          causal_offset, dropout_p, scale, seed, mask_grad)
+                          causal_offset, dropout_p, scale, seed, mask_grad, softcap)
 
 
 def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                   dropout_p, scale, seed, mask_grad):
+                   dropout_p, scale, seed, mask_grad, softcap=0.0):
     """The backward, its launches looked up in ``sites`` under ``key``: a key that fixes
     every argument but the tensors' addresses, the seed and (on a site's first call, which
     reads its strides) the full-shape mask (see kernels/_launch.py, "Call sites")."""
@@ -2064,17 +2139,19 @@ def _attention_bwd(key, sites: dict, dout, q, k, v, out, lse, attn_mask, key_len
             for launch in dkdv:
                 launch(args[1])
         else:
-            launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args)
+            launches = _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args, softcap)
             remember(sites, key, (launches, ints, tail, like, geometry))
     return dq, dk, dv, dmask
 
 
-def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args) -> tuple:
+def _bwd_first(q, attn_mask, key_lengths, is_causal, dropout_p, mask_grad, args, softcap) -> tuple:
     """The backward's launches on a site's first call: (dQ, dK/dV launches), each run once,
     in that order, and returned bound."""
     B, H, Lq, D = q.shape
     Hkv, Lk = args[1][1].shape[1], args[1][1].shape[2]
     feats = _features(q, attn_mask, key_lengths, is_causal, dropout_p)
+    if softcap:
+        feats = _spec_with(feats, **_softcap_constexprs(softcap))
     dq_launch = _launch(_DQ_TUNED, _attention_bwd_dq_kernel, "dq", lambda meta: (cdiv(Lq, meta["BLOCK_M"]), H, B),
                         args[0], _spec_with(feats, MASK_GRAD=bool(mask_grad), LIST_TILE=_list_tile(),
                                             TMA=_tma_layout(args[0][1], args[0][2], feats)))

@@ -203,10 +203,12 @@ def block_mask(shape, device, block, seed=0, kind="bool"):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bool", "float", "bool+key_lengths+causal", "float+causal+key_lengths",
-                                  "bool+gqa", "rows1+causal_br", "bool+dropout"])
+                                  "bool+gqa", "rows1+causal_br", "bool+dropout", "bool+softcap",
+                                  "float+causal+softcap"])
 def test_masks_with_empty_full_and_partial_list_tiles_match_reference(kind, device):
     """Whole list tiles of each kind, with the key lengths and causal masks that end the
-    listed loops mid-row: outputs and every gradient, the float mask's included."""
+    listed loops mid-row: outputs and every gradient, the float mask's included; soft-capped
+    scores through the same loops."""
     block = K._list_tile()
     B, H, Lq, Lk, D = 1, 2, 3 * block + 5, 5 * block - 3, 16
     Hkv = 1 if "gqa" in kind else H
@@ -221,6 +223,8 @@ def test_masks_with_empty_full_and_partial_list_tiles_match_reference(kind, devi
         kw["is_causal"] = True
     if "causal_br" in kind:
         kw["causal_offset"] = Lk - Lq
+    if "softcap" in kind:
+        q, kw["softcap"] = q * 4, 1.5
     if "dropout" in kind:
         p = 0.25
         torch.manual_seed(16)

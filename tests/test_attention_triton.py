@@ -520,6 +520,71 @@ def test_rows_of_huge_scores_in_one_block_of_one_head(device):
 
 
 # ---------------------------------------------------------------------------------------
+# soft-capped scores (softcap: Gemma 2's logit cap), in every kernel and its score loops
+# ---------------------------------------------------------------------------------------
+def _capped_inputs(B, H, Hkv, Lq, Lk, D, device):
+    """q, k, v whose scaled scores (spread about 3) the cap of 2 bends well away from linear."""
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, device)
+    return q * 2, k * 1.5, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "causal_br", "bool+key_lengths+causal", "float+key_lengths+causal_neg"])
+def test_soft_capped_scores_match_reference(kind, device):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 33, 45, 24
+    q, k, v = _capped_inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = _masks(kind, B, H, Lq, Lk, device)
+    got = _check(q, k, v, {**kw, "softcap": 2.0})
+    assert (got["out"] - _triton(q, k, v, **kw)).abs().max() > 0.1, "the cap should change the output"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_soft_capped_scores_in_low_precision(dtype, device):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 33, 45, 64
+    q, k, v = _capped_inputs(B, H, Hkv, Lq, Lk, D, device)
+    _check(q, k, v, {**_masks("float+causal_br", B, H, Lq, Lk, device), "softcap": 2.0}, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fill", [-1e4, -1e9])
+def test_soft_capped_rows_of_huge_scores(fill, device):
+    """The dQ kernel's exact statistics of rows under a mask of -1e4 or -1e9 cap as the
+    forward's loop does."""
+    B, H, Hkv, Lq, Lk, D = 2, 2, 1, 37, 41, 16
+    q, k, v = _capped_inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = {**_masks("key_lengths+causal_br", B, H, Lq, Lk, device), "softcap": 3.0}
+    q, k, kw["attn_mask"] = huge_score_rows(q, k, make_float_mask((B, H, Lq, Lk), device), fill)
+    dout = torch.randn(q.shape, device=device)
+    got = _run(_triton, q, k, v, dout, kw)
+    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
+    base = _run(reference.attention, q, k, v, dout, kw)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_capped_scores_with_dropout(device):
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 23, 38, 32, 0.3
+    q, k, v = _capped_inputs(B, H, Hkv, Lq, Lk, D, device)
+    kw = {**_masks("bool+causal_br", B, H, Lq, Lk, device), "softcap": 2.0}
+    with fasttrans.use_backend("triton"):
+        torch.manual_seed(7)
+        keep = functional.attention_dropout_mask(q, k, p)
+    dout = torch.randn(q.shape, device=device)
+
+    def triton_dropout(q_, k_, v_, **kw_):
+        torch.manual_seed(7)  # the same seed draw as the keep-mask above
+        return _triton(q_, k_, v_, dropout_p=p, **kw_)
+
+    got = _run(triton_dropout, q, k, v, dout, kw)
+    ref = _run(lambda *a, **w: reference.attention(*a, dropout_p=p, dropout_mask=keep, **w), q, k, v, dout, kw,
+               cast=torch.float64)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], None, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
 # dropout
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
@@ -734,25 +799,33 @@ def test_fp32_precision_follows_torch_new_tf32_api(setting, expected):
 
 def test_fp32_compile_targets_cover_every_fp32_configuration():
     """compile-check builds every fp32 entry in the precision its class runs (3xTF32, or IEEE
-    for FP32_IEEE_CLASSES) and one single-TF32 build per kernel and arch."""
+    for FP32_IEEE_CLASSES) and one single-TF32 build per kernel and arch; and with capped
+    scores every entry a capped launch takes (the non-light ones, or CAPPED's)."""
     stages = {"attention_fwd": ("fwd", K.FWD_CONFIGS_FP32), "attention_bwd_dq": ("dq", K.BWD_DQ_CONFIGS_FP32),
               "attention_bwd_dkdv": ("dkdv", K.BWD_DKDV_CONFIGS_FP32)}
     every = K.compile_targets()
     targets = [t for t in every if "-fp32" in t["config"] and t["kernel"] in stages]
     for kernel, (stage, table) in stages.items():
         for arch in ("sm_80", "sm_90"):
-            built = [t for t in targets if t["kernel"] == kernel and t["archs"] == [arch]]
-            expected = []
-            for (d, w), cfgs in table[arch].items():
-                ieee = (d, w) in K.FP32_IEEE_CLASSES[stage][arch]
-                outputs = K.dkdv_outputs(d) if stage == "dkdv" else (None,)
-                expected += [(d, w, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], "ieee" if ieee else "tf32x3")
-                             for c in cfgs for _ in outputs]
-            got = [(t["constexprs"]["HEAD_DIM"], t["config"].split("-")[1], t["constexprs"]["BLOCK_M"],
-                    t["constexprs"]["BLOCK_N"], t["constexprs"]["INPUT_PRECISION"]) for t in built]
-            tf32 = [g for g in got if g[4] == "tf32"]
-            assert sorted(g for g in got if g[4] != "tf32") == sorted(expected), (kernel, arch)
-            assert len(tf32) == 1 and (tf32[0][0], tf32[0][1]) not in K.FP32_IEEE_CLASSES[stage][arch]
+            for capped in (False, True):
+                built = [t for t in targets if t["kernel"] == kernel and t["archs"] == [arch]
+                         and t["config"].endswith("-softcap") == capped]
+                assert all(t["constexprs"]["SOFTCAP"] == (50.0 if capped else 0.0) for t in built)
+                expected = []
+                for (d, w), cfgs in table[arch].items():
+                    if capped and w == "light":
+                        continue
+                    cfgs = K.CAPPED.get((stage, "fp32", arch, (d, w)), cfgs) if capped else cfgs
+                    ieee = (d, w) in K.FP32_IEEE_CLASSES[stage][arch]
+                    outputs = K.dkdv_outputs(d) if stage == "dkdv" else (None,)
+                    expected += [(d, w, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], "ieee" if ieee else "tf32x3")
+                                 for c in cfgs for _ in outputs]
+                got = [(t["constexprs"]["HEAD_DIM"], t["config"].split("-")[1], t["constexprs"]["BLOCK_M"],
+                        t["constexprs"]["BLOCK_N"], t["constexprs"]["INPUT_PRECISION"]) for t in built]
+                tf32 = [g for g in got if g[4] == "tf32"]
+                assert sorted(g for g in got if g[4] != "tf32") == sorted(expected), (kernel, arch, capped)
+                assert len(tf32) == (0 if capped else 1)
+                assert all((g[0], g[1]) not in K.FP32_IEEE_CLASSES[stage][arch] for g in tf32)
     for t in targets:
         assert t["signature"]["Q"] == "*fp32"
         assert t["matmul"] == (t["constexprs"]["INPUT_PRECISION"] != "ieee"), t["config"]

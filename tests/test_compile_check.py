@@ -58,7 +58,7 @@ def test_attention_builds_cover_every_kernel_on_both_archs(all_rows):
         assert 0 <= r["shared_bytes"] <= compile_check.SHARED_LIMIT[compile_check.ARCHS[r["arch"]]], r
         # fp32 classes in FP32_IEEE_CLASSES run IEEE fp32 on FMA units by design; every other matmul build
         # (16-bit, fp32 as 3xTF32 or TF32) must use tensor cores
-        if r["kernel"] in ATTENTION_MATMUL_KERNELS and not r["config"].endswith("-fp32-ieee"):
+        if r["kernel"] in ATTENTION_MATMUL_KERNELS and "-fp32-ieee" not in r["config"]:
             assert r["tensor_cores"] is True, f"{r['kernel']} [{r['config']}] {r['arch']}: no tensor cores"
     # every fp32 class, in both archs, is built
     for arch in ARCHS:
@@ -66,6 +66,11 @@ def test_attention_builds_cover_every_kernel_on_both_archs(all_rows):
             fp32 = {tuple(r["config"].split("-")[:2]) for r in rows
                     if r["kernel"] == kernel and r["arch"] == arch and "-fp32" in r["config"]}
             assert fp32 == {(f"d{d}", w) for d in (64, 128, 256) for w in ("light", "heavy")}, (kernel, arch)
+            # capped scores (SOFTCAP) in every entry a capped launch takes: the dropout weight and heavier
+            capped = {tuple(r["config"].split("-")[:2]) for r in rows
+                      if r["kernel"] == kernel and r["arch"] == arch and r["config"].endswith("-softcap")}
+            assert capped >= {(f"d{d}", "heavy") for d in (64, 128, 256)}, (kernel, arch)
+            assert not any(w == "light" for _, w in capped), (kernel, arch)
 
 
 def test_json_output_has_the_documented_keys(capsys):
