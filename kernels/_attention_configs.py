@@ -257,6 +257,13 @@ _BOTH = {(256, "light"), (256, "heavy")}
 # (kernels/attention.py, _class_weight), but where those tiles spill with the cap's registers
 # these: {(stage, precision class, arch, (head-dim class, weight)): configs} (compile-check).
 CAPPED = {("dkdv", "fp32", arch, (256, "heavy")): [_cfg(16, 16, 8, 1)] for arch in ("sm_80", "sm_90")}
+if TRITON_VERSION < (3, 9):  # the older tables' capped spills (8-16 bytes under Triton 3.6)
+    CAPPED.update({
+        ("dkdv", "16-bit", "sm_90", (64, "dropout")): [_cfg(32, 128, 8, 2)],
+        ("dkdv", "16-bit", "sm_90", (128, "dropout")): [_cfg(16, 128, 8, 1)],
+        ("dq", "16-bit", "sm_90", (128, "heavy")): [_cfg(128, 16, 8, 2)],
+        ("dkdv", "fp32", "sm_80", (256, "heavy")): [_cfg(16, 16, 8, 2)],
+    })
 
 FP32_IEEE_CLASSES = {  # stage -> arch -> the fp32 (head-dim class, weight)s run as IEEE fp32
     "fwd": {"sm_90": _BOTH, "sm_80": _BOTH},

@@ -59,6 +59,28 @@ def assert_close_lowp(name: str, out: torch.Tensor, ref: torch.Tensor, baseline:
 MASK_KINDS = ("none", "bool", "float", "key_lengths", "causal", "all")
 
 
+def mask_case(kind: str, B: int, Lq: int, Lk: int, dtype: torch.dtype = torch.float32):
+    """(fasttrans.attention keywords, the bool allowed mask, the float bias or None) of one mask
+    kind, for B = 2 sequences: "causal" (queries at the end of a cache), "bool" (the second
+    sequence's third query sees no key), "float", "key_lengths" (the first sequence sees no
+    key), or "none"."""
+    g = torch.Generator().manual_seed(5)
+    everything = torch.ones(Lq, Lk, dtype=torch.bool)
+    if kind == "causal":
+        return dict(is_causal=True, causal_offset=Lk - Lq), everything.tril(Lk - Lq), None
+    if kind == "bool":
+        allowed = torch.rand(B, 1, Lq, Lk, generator=g) < 0.6
+        allowed[1, 0, 2] = False
+        return dict(attn_mask=allowed), allowed, None
+    if kind == "float":
+        bias = torch.randn(B, 1, Lq, Lk, generator=g, dtype=dtype)
+        return dict(attn_mask=bias), everything, bias
+    if kind == "key_lengths":
+        lengths = torch.tensor([0, 6])
+        return dict(key_lengths=lengths), torch.arange(Lk).view(1, 1, 1, Lk) < lengths.view(B, 1, 1, 1), None
+    return {}, everything, None
+
+
 def make_key_lengths(B: int, Lk: int, device, *, zero: bool = False) -> torch.Tensor:
     """(B,) int lengths in [0, Lk], including Lk itself and (optionally) 0."""
     kl = torch.randint(0, Lk + 1, (B,), device=device)

@@ -14,7 +14,7 @@ import fasttrans
 from fasttrans import functional
 from fasttrans.functional import DeviceError, DTypeError, ShapeError
 from conftest import backend_params
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, mask_case
 
 BACKENDS = backend_params("attention")
 B, H, HKV, LQ, LK, D = 2, 4, 2, 5, 9, 16
@@ -43,22 +43,8 @@ def _inputs(dtype=torch.float32, seed=0):
 
 
 def _mask(kind: str):
-    """(fasttrans.attention keywords, the bool allowed mask, the float bias) of a mask kind."""
-    g = torch.Generator().manual_seed(5)
-    everything = torch.ones(LQ, LK, dtype=torch.bool)
-    if kind == "causal":  # queries at the end of a cache
-        return dict(is_causal=True, causal_offset=LK - LQ), everything.tril(LK - LQ), None
-    if kind == "bool":
-        allowed = torch.rand(B, 1, LQ, LK, generator=g) < 0.6
-        allowed[1, 0, 2] = False  # a query that sees no key: zeros (the sink takes all its weight)
-        return dict(attn_mask=allowed), allowed, None
-    if kind == "float":
-        bias = torch.randn(B, 1, LQ, LK, generator=g)
-        return dict(attn_mask=bias), everything, bias
-    if kind == "key_lengths":  # a sequence with no key at all
-        lengths = torch.tensor([0, 6])
-        return dict(key_lengths=lengths), torch.arange(LK).view(1, 1, 1, LK) < lengths.view(B, 1, 1, 1), None
-    return {}, everything, None
+    """mask_case's kind (a query that sees no key gets zeros: the sink takes all its weight)."""
+    return mask_case(kind, B, LQ, LK)
 
 
 def _with_grads(fn, tensors, dy):

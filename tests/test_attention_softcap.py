@@ -20,7 +20,7 @@ from fasttrans import functional
 from fasttrans.backends import registry
 from fasttrans.functional import ShapeError
 from conftest import backend_params
-from helpers import assert_close_lowp
+from helpers import assert_close_lowp, mask_case
 
 B, H, HKV, LQ, LK, D = 2, 4, 2, 5, 9, 16
 CAP = 1.5
@@ -47,22 +47,7 @@ def _inputs(dtype=torch.float64, seed=0, dv=D):
 
 
 def _mask(kind: str):
-    """(fasttrans.attention keywords, the bool allowed mask, the float bias) of a mask kind."""
-    g = torch.Generator().manual_seed(5)
-    everything = torch.ones(LQ, LK, dtype=torch.bool)
-    if kind == "causal":  # queries at the end of a cache
-        return dict(is_causal=True, causal_offset=LK - LQ), everything.tril(LK - LQ), None
-    if kind == "bool":
-        allowed = torch.rand(B, 1, LQ, LK, generator=g) < 0.6
-        allowed[1, 0, 2] = False  # a query that sees no key: zeros
-        return dict(attn_mask=allowed), allowed, None
-    if kind == "float":
-        bias = torch.randn(B, 1, LQ, LK, generator=g, dtype=torch.float64)
-        return dict(attn_mask=bias), everything, bias
-    if kind == "key_lengths":  # a sequence with no key at all
-        lengths = torch.tensor([0, 6])
-        return dict(key_lengths=lengths), torch.arange(LK).view(1, 1, 1, LK) < lengths.view(B, 1, 1, 1), None
-    return {}, everything, None
+    return mask_case(kind, B, LQ, LK, torch.float64)
 
 
 def _with_grads(fn, tensors, dy):

@@ -441,6 +441,17 @@ def test_inf_in_v_with_a_subnormal_weight_on_cuda(dtype):
     torch.testing.assert_close(out, ref, equal_nan=True)
 
 
+def _check_rounded_scores(q, k, v, dout, kw):
+    """Triton in fp32 against the fp64 reference by twice the fp32 reference's error: the rule
+    for scores float32 rounds coarsely (near 1e4 to 1e-3, near 1e9 to 64), differently in each
+    matmul (the low-precision rule of tests/helpers.py)."""
+    got = _run(_triton, q, k, v, dout, kw)
+    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
+    base = _run(reference.attention, q, k, v, dout, kw)
+    for name in ref:
+        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+
+
 # Rows whose |lse| passes kernels/attention.py's EXACT_LSE get their max and sum recomputed by
 # the backward's dQ kernel, where P = exp(S - lse) would be 1 instead of 1/l.
 @pytest.mark.parametrize("device", DEVICES)
@@ -456,15 +467,8 @@ def test_rows_of_huge_scores_get_exact_gradients(fill, kind, device):
     kw = _masks(kind, B, H, Lq, Lk, device)
     mask = make_float_mask((B, H, Lq, Lk), device)
     q, k, kw["attn_mask"] = huge_score_rows(q, k, mask, fill)
-    # Scores near 1e4 are rounded to 1e-3 in float32 and near 1e9 to 64, differently by each
-    # matmul: the yardstick is the reference in float64, and Triton may be off by twice as
-    # much as the reference in float32 (the low-precision rule of tests/helpers.py).
     dout = torch.randn(q.shape, device=device)
-    got = _run(_triton, q, k, v, dout, kw)
-    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
-    base = _run(reference.attention, q, k, v, dout, kw)
-    for name in ref:
-        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+    _check_rounded_scores(q, k, v, dout, kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -512,11 +516,7 @@ def test_rows_of_huge_scores_in_one_block_of_one_head(device):
     mask[1, 3, 40:44] = -1e9  # batch 1, second head of the second kv group, one block of rows
     kw = {"attn_mask": mask}
     dout = torch.randn(B, Lq, H, D, device=device).transpose(1, 2)
-    got = _run(_triton, q, k, v, dout, kw)
-    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
-    base = _run(reference.attention, q, k, v, dout, kw)
-    for name in ref:
-        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+    _check_rounded_scores(q, k, v, dout, kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -556,11 +556,7 @@ def test_soft_capped_rows_of_huge_scores(fill, device):
     kw = {**_masks("key_lengths+causal_br", B, H, Lq, Lk, device), "softcap": 3.0}
     q, k, kw["attn_mask"] = huge_score_rows(q, k, make_float_mask((B, H, Lq, Lk), device), fill)
     dout = torch.randn(q.shape, device=device)
-    got = _run(_triton, q, k, v, dout, kw)
-    ref = _run(reference.attention, q, k, v, dout, kw, cast=torch.float64)
-    base = _run(reference.attention, q, k, v, dout, kw)
-    for name in ref:
-        assert_close_lowp(name, got[name], ref[name], base[name], dtype=torch.float32)
+    _check_rounded_scores(q, k, v, dout, kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
