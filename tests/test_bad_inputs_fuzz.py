@@ -305,6 +305,8 @@ ATTENTION_CORRUPTIONS = {
     "p_tensor": {"dropout_p"},
     "scale_nan": {"scale"}, "scale_inf": {"scale"}, "scale_neg_inf": {"scale"}, "scale_str": {"scale"},
     "scale_tensor": {"scale"}, "scale_complex": {"scale"},
+    "softcap_negative": {"softcap"}, "softcap_nan": {"softcap"}, "softcap_inf": {"softcap"},
+    "softcap_str": {"softcap"}, "softcap_bool": {"softcap"}, "softcap_tensor": {"softcap"},
 }
 # Accepted edge values of the scalars (no corruption): any int causal_offset (clamped to
 # [-Lq, Lk]: past those every key / no key is visible), dropout 0 or 1 (zeros, as torch) or
@@ -313,6 +315,9 @@ ATTENTION_CORRUPTIONS = {
 OFFSETS = [0, 1, -1, 3, -3, 10**9, -10**9, 10**30, -10**30, 2**63, -2**63 - 1]
 DROPOUTS = [0.0, 0.0, 0.0, 0, 1.0, 1, 0.3, 1e-300, 1 - 1e-16, np.float64(0.5)]
 SCALES = [None, None, 0.0, -0.0, 1, -2.5, 1e-30, 0.125, 30.0, np.float64(0.5)]
+# any finite cap >= 0 (None or 0: none); Triton's capped scores carry an absolute error of about 1.2e-7 times
+# the cap (docs/semantics.md), so the caps here stay within a few hundred times the scores
+SOFTCAPS = [None, None, None, None, 0, 0.5, 50.0, 1e-30, np.float64(3.0)]
 MASK_DTYPES = [torch.bool, torch.bool, F32, F64, F16, BF16, "q"]
 MASK_VALUES = ["random", "random", "neg_inf", "all_neg_inf", "all_blocked", "pos_inf", "nan", "huge"]
 # inf / NaN at one place of q, k or v (and test_inf_in_v_with_a_subnormal_weight)
@@ -355,6 +360,7 @@ def attention_cases(draw, corruption=None):
             layout=draw(st.sampled_from(["contiguous", "expanded", "inner_stride", "offset"])),
             values=draw(st.sampled_from(["random", "zeros", "full"])),
         )
+    case["softcap"] = draw(st.sampled_from(SOFTCAPS))
     case["allowed"] = set().union(*(ATTENTION_CORRUPTIONS[c] for c in case["corruptions"]))
     return case
 
@@ -429,7 +435,7 @@ def _attention_args(case):
             "offset": torch.cat([values[:1], values])[1:],
         }[spec["layout"]]
     kw = dict(attn_mask=mask, key_lengths=kl, is_causal=case["is_causal"], causal_offset=case["causal_offset"],
-              dropout_p=case["dropout_p"], scale=case["scale"])
+              dropout_p=case["dropout_p"], scale=case["scale"], softcap=case["softcap"])
     # the other corruptions
     if "q_rank3" in c:
         q = q.flatten(0, 1)
@@ -489,6 +495,9 @@ def _attention_args(case):
         "p_none": ("dropout_p", None), "p_str": ("dropout_p", "0.1"), "p_tensor": ("dropout_p", torch.tensor(0.1)),
         "scale_nan": ("scale", math.nan), "scale_inf": ("scale", math.inf), "scale_neg_inf": ("scale", -math.inf),
         "scale_str": ("scale", "1.0"), "scale_tensor": ("scale", torch.tensor(1.0)), "scale_complex": ("scale", 1j),
+        "softcap_negative": ("softcap", -1.0), "softcap_nan": ("softcap", math.nan),
+        "softcap_inf": ("softcap", math.inf), "softcap_str": ("softcap", "50"), "softcap_bool": ("softcap", True),
+        "softcap_tensor": ("softcap", torch.tensor(50.0)),
     }
     for name, (arg, value) in scalars.items():
         if name in c:
