@@ -257,7 +257,7 @@ _BOTH = {(256, "light"), (256, "heavy")}
 # (kernels/attention.py, _class_weight), but where those tiles spill with the cap's registers
 # these: {(stage, precision class, arch, (head-dim class, weight)): configs} (compile-check).
 CAPPED = {("dkdv", "fp32", arch, (256, "heavy")): [_cfg(16, 16, 8, 1)] for arch in ("sm_80", "sm_90")}
-if TRITON_VERSION < (3, 9):  # the older tables' capped spills (8-16 bytes under Triton 3.6)
+if TRITON_VERSION < (3, 9):  # the older tables' capped entries that spill (compile-check under Triton 3.6)
     CAPPED.update({
         ("dkdv", "16-bit", "sm_90", (64, "dropout")): [_cfg(32, 128, 8, 2)],
         ("dkdv", "16-bit", "sm_90", (128, "dropout")): [_cfg(16, 128, 8, 1)],
