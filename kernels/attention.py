@@ -590,11 +590,10 @@ def _attention_tile_lists_kernel(
 def _softcap(y, CAP: tl.constexpr):
     """(CAP tanh(x), r) for y = 2 x log2(e): tanh(x) = 1 - 2r with r = 1 / (2^y + 1), and
     1 - tanh(x)^2 = 4r (1 - r), the derivative. exp2 and an approximate reciprocal (both
-    run by Triton's interpreter, where libdevice's tanh is not): about six instructions a
-    score. 1 - 2r cancels for small x: the capped score's absolute error is about 1.2e-7
-    CAP (docs/semantics.md), what a score of the cap's size rounds to anyway, and more than
-    small scores' own rounding under a cap far above them. y = +-inf gives +-CAP, NaN
-    stays NaN."""
+    run by Triton's interpreter, where libdevice's tanh is not). 1 - 2r cancels for small x:
+    the capped score's absolute error is about 1.2e-7 CAP (docs/semantics.md), what a score
+    of the cap's size rounds to anyway, and more than small scores' own rounding under a
+    cap far above them. y = +-inf gives +-CAP, NaN stays NaN."""
     e = tl.math.exp2(y) + 1.0
     r = tl.math.rsqrt(e * e)  # 1 / e in two instructions (e >= 1; e * e = inf gives 0)
     return r * (-2.0 * CAP) + CAP, r  # the tensor first: the interpreter's constexpr would wrap it
