@@ -220,6 +220,24 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _cpu_vector_suffix() -> str:
+    """' AVX2' for an x86 CPU without AVX-512, else ''.
+
+    One model name covers CPUs of different vector widths ("AMD EPYC" is reported by Zen 3,
+    AVX2 only, and by Zen 4, with AVX-512), and the extension's kernels differ between them.
+    AVX-512 machines keep the bare name, which earlier results files are named by.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return " AVX2" if "avx2" in flags and "avx512f" not in flags else ""
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))  # the cores this process may use (containers restrict it)
@@ -248,7 +266,7 @@ def environment(device: str) -> Environment:
     if device == "cuda":
         name = torch.cuda.get_device_name()
     else:
-        name = f"{_cpu_model_name()} {_cpu_count()} cores"
+        name = f"{_cpu_model_name()}{_cpu_vector_suffix()} {_cpu_count()} cores"
     return Environment(
         device=device, device_name=name, slug=slugify(name), threads=torch.get_num_threads(),
         torch=torch.__version__, triton=_triton_version(), fasttrans=fasttrans.__version__,
