@@ -220,7 +220,7 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _cpu_vector_suffix() -> str:
+def _cpu_vector_suffix(cpuinfo: str = "/proc/cpuinfo") -> str:
     """' AVX2' for an x86 CPU without AVX-512, else ''.
 
     One model name covers CPUs of different vector widths ("AMD EPYC" is reported by Zen 3,
@@ -228,7 +228,7 @@ def _cpu_vector_suffix() -> str:
     AVX-512 machines keep the bare name, which earlier results files are named by.
     """
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.lower().startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())

@@ -318,6 +318,15 @@ def test_device_slug_is_a_file_name():
     assert common.slugify("AMD EPYC 2 cores") == "amd-epyc-2-cores"
 
 
+def test_cpus_without_avx512_are_named_apart(tmp_path):
+    """One model name ("AMD EPYC") covers AVX2-only and AVX-512 CPUs: the former get " AVX2"."""
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, suffix in (("fpu sse2 avx avx2 fma", " AVX2"), ("fpu avx2 fma avx512f avx512bw", ""), ("fpu sse2", "")):
+        cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+        assert common._cpu_vector_suffix(str(cpuinfo)) == suffix, flags
+    assert common._cpu_vector_suffix(str(tmp_path / "absent")) == ""
+
+
 # --------------------------------------------------------------------------------------
 # the scripts, end to end
 # --------------------------------------------------------------------------------------
