@@ -14,7 +14,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,22 @@ inline uint64_t keep_bits(uint64_t seed, uint32_t threshold, uint64_t blk) {
   return bits;
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// keep[e] = bit e of bits, for e < 64: byte e of a register takes byte e / 8 of the mask, then
+// tests its own bit of it.
+inline void store_keep_bytes(uint64_t bits, bool* keep) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  for (int half = 0; half < 2; ++half) {
+    // shuffle_epi8 stays within 128-bit lanes: each holds all four bytes of the broadcast word
+    const __m256i word = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(bits >> (32 * half))));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(word, spread), bit), bit);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keep + 32 * half), _mm256_and_si256(set, _mm256_set1_epi8(1)));
+  }
+}
+#endif
+
 // out[e] = keep bit e ? in[e] * scale : 0 for the n <= 64 elements of one block, and the keep
 // bytes when keep_out is given.
 template <typename scalar_t>
@@ -66,6 +82,24 @@ inline void apply_block(const scalar_t* in, scalar_t* out, bool* keep_out, uint6
     }
     keep_out = nullptr;  // written above
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (n == kBlock) {
+    // lane e of a group of 8 tests bit e of the group's byte of the mask
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    if (keep_out != nullptr) store_keep_bytes(bits, keep_out);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int q = 0; q < 8; ++q) {
+        const __m256i byte = _mm256_set1_epi32(static_cast<int>((bits >> (8 * q)) & 0xFF));
+        const __m256i kept = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+        // x * (scale or 0), not a masked select: a dropped inf or NaN gives NaN, as in torch
+        const __m256 f = _mm256_and_ps(_mm256_castsi256_ps(kept), s);
+        _mm256_storeu_ps(out + 8 * q, _mm256_mul_ps(_mm256_loadu_ps(in + 8 * q), f));
+      }
+      return;
+    }
+    keep_out = nullptr;  // written above
+  }
 #endif
   using T = acc_t<scalar_t>;
   for (int64_t e = 0; e < n; ++e) {
@@ -79,6 +113,15 @@ inline void apply_block(const scalar_t* in, scalar_t* out, bool* keep_out, uint6
 inline uint64_t bits_from_bytes(const bool* keep, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (n == kBlock) return _mm512_test_epi8_mask(_mm512_loadu_si512(keep), _mm512_set1_epi8(1));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (n == kBlock) {
+    // bit 0 of each byte shifted into its sign bit, which movemask collects
+    const auto half = [&](int h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keep + 32 * h));
+      return static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7))));
+    };
+    return half(0) | (half(1) << 32);
+  }
 #endif
   uint64_t bits = 0;
   for (int64_t e = 0; e < n; ++e) bits |= static_cast<uint64_t>(keep[e]) << e;

@@ -139,6 +139,13 @@ def test_extension_mask_is_philox_of_the_flat_index(extension_dropout, n, seed):
     assert torch.equal(keep, philox_keep(seed, 0.35, n))
 
 
+@pytest.mark.parametrize("p", [1e-9, 0.5, 1 - 1e-9])  # thresholds 0, 2^23 and 2^24: keep all, half, none
+def test_extension_mask_at_the_thresholds_ends(extension_dropout, p):
+    fwd, _ = extension_dropout
+    keep = fwd(torch.randn(4099), p, 99)[1]
+    assert torch.equal(keep, philox_keep(99, p, 4099))
+
+
 def test_extension_mask_does_not_depend_on_the_thread_count(extension_dropout):
     fwd, _ = extension_dropout
     x = torch.randn(300_001)
