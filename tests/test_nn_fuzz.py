@@ -25,7 +25,7 @@ FASTTRANS_FUZZ_EXAMPLES=n draws n fresh random examples per test instead, for lo
 """
 
 
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -171,7 +171,6 @@ def _seq(g, batched, batch_first, strided, n, length, dim):
 # --------------------------------------------------------------------------------------
 # the differential harness
 # --------------------------------------------------------------------------------------
-@contextlib.contextmanager
 def _torch_sdpa_adding_float32_masks_exactly():
     """torch's F.scaled_dot_product_attention, its float32 mask of float64 scores given as float64.
 
@@ -185,11 +184,7 @@ def _torch_sdpa_adding_float32_masks_exactly():
             attn_mask = attn_mask.to(torch.float64)
         return sdpa(query, key, value, attn_mask, *args, **kwargs)
 
-    F.scaled_dot_product_attention = exact
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
+    return mock.patch.object(F, "scaled_dot_product_attention", exact)
 
 
 def _assert_same(t, f, tensors, call, seed, grads=True, equal_nan=False, keep=None, compare_grads=True):
