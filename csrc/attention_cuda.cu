@@ -128,6 +128,20 @@ __device__ __forceinline__ float mask_add(const AttentionArgs& a, int64_t b, int
   }
 }
 
+// scale q.k, soft-capped where a.softcap > 0: softcap tanh(scale q.k / softcap), as the reference
+// caps the scaled scores before the masks. With g, *g gets the derivative of the capped score by
+// the scaled one, 1 - tanh^2 (1 uncapped), which the backward's dS carries.
+__device__ __forceinline__ float scaled_score(const AttentionArgs& a, float qk, float* g) {
+  const float s = qk * a.scale;
+  if (a.softcap <= 0.0f) {  // uniform across the grid
+    if (g != nullptr) *g = 1.0f;
+    return s;
+  }
+  const float t = tanhf(s / a.softcap);
+  if (g != nullptr) *g = 1.0f - t * t;
+  return a.softcap * t;
+}
+
 // keep(b, h, i, j) / (1 - p), or 1 without dropout
 __device__ __forceinline__ float dropout_factor(const AttentionArgs& a, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!a.dropout) return 1.0f;
@@ -226,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_fwd_kernel(con
       const bool ok = allowed(a, kv_end, b, h, i, j);
       // (q.k) * scale, as the backward and the reference: a scaled q could overflow, or
       // underflow to 0 against an inf key
-      const float score = ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY;
+      const float score = ok ? scaled_score(a, s[r], nullptr) + mask_add(a, b, h, i, j) : -INFINITY;
       // NaN from the first NaN score on: alpha and p are then NaN, and so are l and the output
       const float m_new = nan_max(m[r], warp_max(score));
       float alpha = 1.0f;
@@ -302,7 +316,8 @@ __global__ void __launch_bounds__(kThreads) attention_row_kernel(const Attention
           for (int d = 0; d < D; ++d)
             dot = fmaf(load_float(a.q, q_base + d, a.dtype), load_float(a.k, k_base + j * a.k_si + d, a.dtype), dot);
         }
-        const float score = allowed(a, kv_end, b, h, i, j) ? dot * a.scale + mask_add(a, b, h, i, j) : -INFINITY;
+        const float score =
+            allowed(a, kv_end, b, h, i, j) ? scaled_score(a, dot, nullptr) + mask_add(a, b, h, i, j) : -INFINITY;
         const float m_new = nan_max(m, warp_max(score));
         float alpha = 1.0f, p = 0.0f;
         if (m_new != -INFINITY) {
@@ -323,6 +338,7 @@ __global__ void __launch_bounds__(kThreads) attention_row_kernel(const Attention
 
 // dQ (and dmask): per query block, over all visible key tiles.
 //   P = exp(scale q.k + mask - hi) r,  dS = P (keep/(1-p) dO.v - delta),  dQ = scale sum_j dS_j k_j
+// (capped scores: cap(scale q.k) in P, and dS times the cap's derivative g in dQ and dK, not in dmask)
 // dS is 0 where the key is hidden (the reference's masked_fill passes no gradient there).
 template <int DPL>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(const AttentionArgs a,
@@ -382,14 +398,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dq_kernel(
 #pragma unroll
     for (int r = 0; r < kPerWarp; ++r) {
       const int64_t i = i0 + warp * kPerWarp + r;
+      float g;  // computed at hidden entries too: a NaN capped score there makes 0 * g NaN, as in the reference
+      const float capped = scaled_score(a, s[r], &g);
       ds[r] = 0.0f;
       if (allowed(a, kv_end, b, h, i, j)) {
         // expf(x - NaN) is NaN: the rows NaN in the forward (lse NaN) get NaN gradients
-        const float p = expf(s[r] * a.scale + mask_add(a, b, h, i, j) - row_hi[r]) * row_r[r];
+        const float p = expf(capped + mask_add(a, b, h, i, j) - row_hi[r]) * row_r[r];
         ds[r] = p * (dp[r] * dropout_factor(a, b, h, i, j) - row_delta[r]);
-        if (dmask != nullptr) dmask[(bh * a.Lq + i) * a.Lk + j] = ds[r];
+        if (dmask != nullptr) dmask[(bh * a.Lq + i) * a.Lk + j] = ds[r];  // the mask is added after the cap
       }
-      ds[r] *= a.scale;
+      ds[r] *= g * a.scale;
     }
 
     accumulate_rows<DPL>(acc, ds, k_s, ld, lane, D);  // dQ += dS K
@@ -482,14 +500,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) attention_bwd_dkdv_kerne
       for (int r = 0; r < kPerWarp; ++r) {
         const int64_t j = j0 + warp * kPerWarp + r;
         const bool ok = allowed(a, kv_len, b, h, i, j);
-        const float p = expf((ok ? s[r] * a.scale + mask_add(a, b, h, i, j) : -INFINITY) - hi_s[lane]) * r_s[lane];
+        float g;  // at hidden entries too, as in the dQ kernel
+        const float capped = scaled_score(a, s[r], &g);
+        const float p = expf((ok ? capped + mask_add(a, b, h, i, j) : -INFINITY) - hi_s[lane]) * r_s[lane];
         pd[r] = p;
         ds[r] = 0.0f;
         if (ok) {
           const float f = dropout_factor(a, b, h, i, j);
           pd[r] = p * f;
-          ds[r] = p * (dp[r] * f - delta_s[lane]) * a.scale;
+          ds[r] = p * (dp[r] * f - delta_s[lane]);
         }
+        ds[r] *= g * a.scale;
       }
 
       for (int ii = 0; ii < kTile; ++ii) {  // dV += Pd^T dO, dK += dS^T Q

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "checks.h"
 #include "cuda_launchers.h"
@@ -56,7 +57,7 @@ struct AttentionInputs {
 AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                  const std::optional<at::Tensor>& attn_mask,
                                  const std::optional<at::Tensor>& key_lengths, bool is_causal, int64_t causal_offset,
-                                 double dropout_p, double scale, int64_t seed) {
+                                 double dropout_p, double scale, int64_t seed, double softcap) {
   TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.sizes() == k_in.sizes(),
               "q, k, v: expected (B, H, Lq, D) and equal (B, Hkv, Lk, D) shapes, got ", q_in.sizes(), ", ",
               k_in.sizes(), " and ", v_in.sizes());
@@ -134,13 +135,10 @@ AttentionInputs attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in,
   a.seed = static_cast<uint64_t>(seed);
   a.dropout_threshold = attention_dropout_threshold(dropout_p);
   a.dropout_scale = a.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.0f;
-  return in;
-}
-
-// fasttrans.attention runs soft-capped scores on the reference on CUDA; this guards direct calls
-void check_no_softcap(double softcap) {
-  TORCH_CHECK(softcap == 0.0, "softcap: the CUDA extension's attention kernels do not soft-cap scores, got softcap=",
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap: expected a finite value > 0 (0: none), got ",
               softcap);
+  a.softcap = static_cast<float>(softcap);
+  return in;
 }
 
 }  // namespace
@@ -150,10 +148,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& key_lengths, bool is_causal,
                                                  int64_t causal_offset, double dropout_p, double scale, int64_t seed,
                                                  double softcap) {
-  check_no_softcap(softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionInputs in =
-      attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+      attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   check_launch(kern::attention_fwd_cuda(in.args, out.data_ptr(), lse.data_ptr<float>(),
@@ -167,10 +164,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_lengths,
     bool is_causal, int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool mask_grad,
     double softcap) {
-  check_no_softcap(softcap);
   const c10::cuda::CUDAGuard guard(q.device());
   const AttentionInputs in =
-      attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+      attention_inputs(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "dout, out: expected the shape of q ", q.sizes(),
               ", got ", dout.sizes(), " and ", out.sizes());
   // the kernels read lse[(b * H + h) * Lq + i]

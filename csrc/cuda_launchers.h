@@ -37,6 +37,7 @@ struct AttentionArgs {
   uint64_t seed;
   uint32_t dropout_threshold;  // see philox.h
   float dropout_scale;         // 1 / (1 - p)
+  float softcap;               // > 0: scaled scores s become softcap * tanh(s / softcap) before the masks; 0: none
 };
 
 // out (B, H, Lq, D) contiguous in args.dtype; lse (B, H, Lq) fp32.

@@ -347,10 +347,9 @@ def attention(
             backend: the kernels' output and log-sum-exp are rescaled by the sink's share,
             and their backward takes the rescaled gradient.
         softcap: > 0 soft-caps the scaled scores before the masks, as Gemma 2 does:
-            softcap * tanh(s / softcap); None or 0 leaves them as they are. The Triton and
-            CPU kernels compute it, forward and backward (the CUDA extension's do not: such
-            a call runs on the reference, with a one-time warning, or raises when that
-            backend is forced).
+            softcap * tanh(s / softcap); None or 0 leaves them as they are. Every backend's
+            kernels compute it, forward and backward; with sinks it runs on the reference
+            (with a one-time warning, or an error when a backend is forced).
 
     Returns:
         (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).

@@ -558,6 +558,25 @@ def test_soft_capped_scores_with_dropout(ext, schedule):
     _check_huge_scores("none", -1e9, 32, "cpu", dropout_p=0.25, softcap=3.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind,shape", SOFTCAP_CASES, ids=[c[0] for c in SOFTCAP_CASES])
+def test_soft_capped_scores_match_reference_on_cuda(ext, kind, shape, dtype):
+    require_extension("cuda", "attention")
+    B, H, Hkv, Lq, Lk, D = shape
+    q, k, v = (t.cuda() for t in _softcap_inputs(shape, dtype))
+    kw = _masks(kind, B, H, Lq, Lk, "cuda", dtype, zero_length=True)
+    _check_against_reference(q, k, v, {**kw, "softcap": 2.0})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", [-1e4, -1e9, "logits"], ids=str)
+def test_soft_capped_rows_of_huge_scores_on_cuda(ext, fill):
+    require_extension("cuda", "attention")
+    _check_huge_scores("key_lengths+causal_bottom_right", fill, 16, "cuda", Lq=70, softcap=3.0)
+    _check_huge_scores("none", -1e9, 32, "cuda", dropout_p=0.25, softcap=3.0)
+
+
 def _thread_cpu_ticks() -> dict[str, int]:
     """CPU time (utime + stime, in clock ticks) of each thread of this process, from /proc."""
     ticks = {}

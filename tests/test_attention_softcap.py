@@ -2,10 +2,10 @@
 attention logits. Checked against the formula eager attention computes, on every backend
 that runs here (the reference, the CPU extension, Triton through its interpreter), with
 every mask kind, grouped-query heads, values of another head dim, sinks and torch.compile;
-a backend without capping kernels (the CUDA extension) refuses the call when forced, and
-automatic selection runs it on the reference with a warning. The kernels' tile layouts,
-low precision and huge scores are tests/test_attention_extension.py's and
-tests/test_attention_triton.py's."""
+a backend without capping kernels refuses the call when forced, and automatic selection runs
+it on the reference with a warning. The kernels' tile layouts, low precision and huge scores
+are tests/test_attention_extension.py's and tests/test_attention_triton.py's, the CUDA
+kernels' tests/test_cuda_emulation.py's."""
 
 from __future__ import annotations
 
@@ -122,8 +122,7 @@ def test_bad_softcap_raises_naming_it(softcap, error):
 
 
 def test_automatic_selection_without_capping_kernels_warns_once_and_runs_the_reference(monkeypatch):
-    """As on a GPU without Triton, whose CUDA extension has no cap: here the CPU extension's
-    cap is taken away."""
+    """As with a backend whose kernels do not cap: here the CPU extension's cap is taken away."""
     monkeypatch.setattr(registry, "SOFTCAP_DEVICES", {"reference": ("cpu",)})
     monkeypatch.setattr(functional, "_reference_warned", set())
     q, k, v = _inputs(torch.float32)

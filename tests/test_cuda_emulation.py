@@ -11,7 +11,7 @@ into a call of the shim's ``launch``. A harness per file calls the launchers of
 csrc/cuda_launchers.h (the dropout harness also the kernels directly, on grids small enough
 for their grid-stride loops) and checks every output against a double-precision
 reference. This tests the launchers' grids and shared-memory sizes and the kernels' logic (indexing, strides, masking, reductions across warps, barriers, NaN
-handling, Philox masks, fp16/bf16 loads and stores) and their memory accesses; not their
+handling, Philox masks, soft-capped scores, fp16/bf16 loads and stores) and their memory accesses; not their
 speed, and not the GPU's memory model. The harnesses run fp32, bf16 and fp16.
 """
 

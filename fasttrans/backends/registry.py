@@ -250,7 +250,7 @@ BACKENDS: dict[str, Backend] = _Registry({
 
 
 # {backend: the device types on which its attention soft-caps scores (attention_fwd's softcap)}
-SOFTCAP_DEVICES = {"reference": ("cpu", "cuda", "meta"), "extension": ("cpu",), "triton": ("cuda", "cpu")}
+SOFTCAP_DEVICES = {"reference": ("cpu", "cuda", "meta"), "extension": ("cpu", "cuda"), "triton": ("cuda", "cpu")}
 
 
 def softcaps(name: str, device: torch.device) -> bool:

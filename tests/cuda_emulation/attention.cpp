@@ -15,8 +15,9 @@ using fasttrans::attention_dropout_keep;
 // nan: 0 none; 1 NaN in q row (0, H-1, Lq/2) (and (B-1, 0, 0)); 2 NaN in float-mask elements
 // (one visible, one hidden by causality / key_lengths if any), and a float-mask row of -inf
 // with a NaN key the row sees; 3 NaN keys at hidden positions only (bool-masked column 5,
-// past key_lengths, above the causal diagonal); 4 (no NaN) rows of huge scores, float mask only
-struct Cfg { int B, H, Hkv, Lq, Lk, D; int mask; /*0 none 1 bool 2 float*/ int mbcast; bool kl; bool causal; long off; double p; int nan = 0; DType dtype = DType::kFloat32; };
+// past key_lengths, above the causal diagonal); 4 (no NaN) rows of huge scores, float mask only.
+// cap > 0: scaled scores soft-capped, cap tanh(s / cap), before the masks.
+struct Cfg { int B, H, Hkv, Lq, Lk, D; int mask; /*0 none 1 bool 2 float*/ int mbcast; bool kl; bool causal; long off; double p; int nan = 0; DType dtype = DType::kFloat32; float cap = 0.0f; };
 
 // q, k, v, dout and the outputs in the kernels' dtype. The harness keeps every value as a
 // float: inputs are rounded to the dtype in place (so the double reference sees exactly
@@ -102,6 +103,7 @@ int check(const Cfg& c, uint64_t seed_) {
   a.causal = c.causal; a.causal_offset = std::clamp<int64_t>(c.off, -(Lq + 1), Lk + 1);
   a.scale = scale; a.dropout = p > 0; a.seed = seed; a.dropout_threshold = fasttrans::attention_dropout_threshold(p);
   a.dropout_scale = p > 0 ? (float)(1.0 / (1.0 - p)) : 1.0f;
+  a.softcap = c.cap;
   auto allowed_ref = [&](int b, int h, int i, int j) {
     bool ok = (!c.kl || j < kl[b]) && (!c.causal || j <= i + c.off);
     if (c.mask == 1 && !bm[moff(b, h, i, j)]) ok = false;
@@ -160,7 +162,8 @@ int check(const Cfg& c, uint64_t seed_) {
   for (Stored* o : {&out_s, &dq_s, &dk_s, &dv_s}) if (c.dtype != DType::kFloat32) o->to_floats();
 
   // ---- reference in double: fasttrans.reference.attention_with_lse and its autograd, step by step
-  // (s = scale q.k + float mask; masked_fill(~allowed, -inf); softmax with empty rows 0; P * keep / (1-p) @ v).
+  // (s = scale q.k, capped to cap tanh(s / cap) with a cap, + float mask; masked_fill(~allowed, -inf); softmax
+  // with empty rows 0; P * keep / (1-p) @ v; the gradient of the scaled scores is dS (1 - tanh^2)).
   // visited = true restricts every sum to the (i, j) pairs the kernels visit: keys j < the query block's
   // kv_end for out/dQ; query rows from the key block's i_begin, and no rows for key blocks past key_lengths,
   // for dK/dV. Outside them the exact contributions are 0, but the reference's dense matmuls can make
@@ -174,13 +177,24 @@ int check(const Cfg& c, uint64_t seed_) {
     for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) {
       int hk = h / G;
       for (int i = 0; i < Lq; ++i) {
-        std::vector<double> s2(Lk, -INFINITY), P(Lk, 0), Pd(Lk, 0), dS(Lk, 0), f(Lk, 1);
+        std::vector<double> s2(Lk, -INFINITY), P(Lk, 0), Pd(Lk, 0), dS(Lk, 0), f(Lk, 1), g(Lk, 1);
         std::vector<char> al(Lk);
         double mx = -INFINITY;
         for (int j = 0; j < Lk; ++j) {
           double acc = 0;
           for (int d = 0; d < D; ++d) acc += (double)q[b * q_sb + h * q_sh + i * q_si + d] * K(b, hk, j, d);
-          double s1 = acc * scale + (c.mask == 2 ? (double)fm[moff(b, h, i, j)] : 0.0);
+          double s1 = acc * scale;
+          if (c.cap > 0) {
+            const double th = std::tanh(s1 / c.cap);
+            s1 = c.cap * th;
+            // the cap's derivative multiplies dS = 0 at hidden entries too (NaN where the score is NaN), but
+            // keys past key_lengths are never read: the kernels take them as zeros there
+            double acc0 = 0;
+            for (int d = 0; d < D; ++d) acc0 += (double)q[b * q_sb + h * q_sh + i * q_si + d] * 0.0;
+            const double tg = c.kl && j >= kl[b] ? std::tanh(acc0 * scale / c.cap) : th;
+            g[j] = 1.0 - tg * tg;
+          }
+          s1 += c.mask == 2 ? (double)fm[moff(b, h, i, j)] : 0.0;
           al[j] = allowed_ref(b, h, i, j);
           s2[j] = al[j] ? s1 : -INFINITY;
           mx = nan_max_d(mx, s2[j]);
@@ -209,7 +223,7 @@ int check(const Cfg& c, uint64_t seed_) {
           R.dm[row * Lk + j] = dS[j];
         }
         for (int j = 0; j < jend; ++j)
-          for (int d = 0; d < D; ++d) R.dq[row * D + d] += scale * dS[j] * K(b, hk, j, d);
+          for (int d = 0; d < D; ++d) R.dq[row * D + d] += scale * dS[j] * g[j] * K(b, hk, j, d);
         for (int j = 0; j < Lk; ++j) {
           if (visited) {
             const int64_t j0 = j / kBlockRows * kBlockRows;
@@ -219,7 +233,7 @@ int check(const Cfg& c, uint64_t seed_) {
           }
           for (int d = 0; d < D; ++d) {
             size_t kr = (((size_t)b * Hkv + hk) * Lk + j) * D + d;
-            R.dk[kr] += scale * dS[j] * q[b * q_sb + h * q_sh + i * q_si + d];
+            R.dk[kr] += scale * dS[j] * g[j] * q[b * q_sb + h * q_sh + i * q_si + d];
             R.dv[kr] += Pd[j] * dout[row * D + d];
           }
         }
@@ -260,7 +274,7 @@ int check(const Cfg& c, uint64_t seed_) {
   bad += cmp("dv", dv.data(), R.dv, Rd.dv, R.dv.size());
   if (want_dmask) bad += cmp("dmask", dmask.data(), R.dm, Rd.dm, nrow * Lk);
   const char* dt = c.dtype == DType::kBFloat16 ? "bf16" : c.dtype == DType::kFloat16 ? "fp16" : "fp32";
-  printf("%s %s B%d H%d Hkv%d Lq%d Lk%d D%d mask%d bc%d kl%d causal%d off%ld p%.2f nan%d\n", bad ? "BAD " : "ok  ", dt, B, H, Hkv, Lq, Lk, D, c.mask, c.mbcast, c.kl, c.causal, c.off, p, c.nan);
+  printf("%s %s B%d H%d Hkv%d Lq%d Lk%d D%d mask%d bc%d kl%d causal%d off%ld p%.2f nan%d cap%g\n", bad ? "BAD " : "ok  ", dt, B, H, Hkv, Lq, Lk, D, c.mask, c.mbcast, c.kl, c.causal, c.off, p, c.nan, c.cap);
   if (c.kl) { printf("    key_lengths"); for (int b = 0; b < B; ++b) printf(" %d", kl[b]); printf("\n"); }
   printf("%s", info);
   return bad;
@@ -342,6 +356,17 @@ int main(int argc, char** argv) {
     {2, 4, 2, 37, 45, 16, 2, 0, true, true, 8, 0.0, 4},
     {1, 2, 1, 40, 70, 64, 2, 0, false, false, 0, 0.2, 4},
     {2, 2, 1, 20, 33, 32, 2, 0, true, false, 0, 0.0, 4, DType::kFloat16},
+    // soft-capped scores: caps below and near the scores' size (scale 1.3/sqrt(D): about 1.3), every mask kind,
+    // GQA, dropout, key_lengths, causal, NaN rows and NaN keys at hidden positions, 16-bit storage
+    {2, 4, 2, 17, 33, 33, 0, 0, false, false, 0, 0.0, 0, DType::kFloat32, 0.5f},
+    {2, 4, 2, 37, 45, 64, 1, 1, true, true, 8, 0.2, 0, DType::kFloat32, 1.0f},
+    {2, 2, 1, 33, 70, 100, 2, 2, true, true, 37, 0.25, 0, DType::kFloat32, 2.0f},
+    {1, 2, 1, 20, 20, 256, 2, 3, false, true, 0, 0.0, 0, DType::kFloat32, 0.3f},
+    {2, 2, 1, 20, 40, 16, 2, 0, true, true, 5, 0.0, 1, DType::kFloat32, 1.0f},
+    {2, 4, 2, 20, 40, 16, 1, 0, true, true, 20, 0.0, 3, DType::kFloat32, 1.0f},
+    {2, 4, 2, 37, 45, 16, 2, 0, true, true, 8, 0.0, 4, DType::kFloat32, 1.0f},
+    {2, 2, 1, 33, 70, 48, 2, 2, true, true, 37, 0.25, 0, DType::kBFloat16, 0.5f},
+    {1, 8, 2, 1, 77, 64, 1, 0, true, true, 76, 0.2, 0, DType::kFloat16, 1.0f},
   };
   int bad = 0;
   int first = argc > 1 ? atoi(argv[1]) : 0, last = argc > 2 ? atoi(argv[2]) : (int)cfgs.size();
