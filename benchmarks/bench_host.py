@@ -50,7 +50,9 @@ from benchmarks.common import Config, Entry  # noqa: E402
 
 SWEEPS = ("norms", "attention", "layer", "hf")
 MODES = ("fwd", "fwd+bwd")
-MASKS = ("none", "causal", "key_lengths", "bool")
+# "softcap": Gemma 2's capped scores, against torch's ops for them (SDPA has no cap)
+MASKS = ("none", "causal", "key_lengths", "bool", "softcap")
+SOFTCAP = 2.0
 NORM_OPS = ("layer_norm", "add_layer_norm", "rms_norm")
 N = 1024
 ATTN_SHAPE = (1, 1, 16, 64)
@@ -139,8 +141,13 @@ def attention_config(bench, mask: str, mode: str, dtype: torch.dtype) -> Config:
         q, k, v = inp["q"], inp["k"], inp["v"]
         if library == "fasttrans":
             kwargs = {"none": {}, "causal": dict(is_causal=True), "key_lengths": dict(key_lengths=inp["lengths"]),
-                      "bool": dict(attn_mask=inp["allowed"])}[mask]
+                      "bool": dict(attn_mask=inp["allowed"]), "softcap": dict(softcap=SOFTCAP)}[mask]
             return lambda: fasttrans.attention(q, k, v, **kwargs)
+        if mask == "softcap":  # eager attention as the models that cap write it
+            def capped():
+                s = torch.matmul(q, k.transpose(-2, -1)) * D ** -0.5
+                return torch.matmul(torch.softmax(torch.tanh(s / SOFTCAP) * SOFTCAP, dim=-1), v)
+            return capped
         kwargs = {"none": {}, "causal": dict(is_causal=True),
                   "key_lengths": dict(attn_mask=inp["padding"][:, None, None, :]),
                   "bool": dict(attn_mask=inp["allowed"])}[mask]

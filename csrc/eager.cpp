@@ -204,13 +204,14 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const OptTensor& attn_mask, const OptTensor& key_lengths, bool is_causal,
-                               int64_t causal_offset, double dropout_p, double scale, int64_t seed, bool forced) {
+                               int64_t causal_offset, double dropout_p, double scale, int64_t seed, double softcap,
+                               bool forced) {
     at::Tensor out, lse;
     {
       at::AutoDispatchBelowAutograd below;
       std::tie(out, lse) =
           attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
-                                  0.0);
+                                  softcap);
     }
     const at::Tensor mask = attn_mask.value_or(at::Tensor());
     ctx->save_for_backward({q, k, v, out, lse, mask, key_lengths.value_or(at::Tensor())});
@@ -219,6 +220,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["seed"] = seed;
+    ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["forced"] = forced;
     ctx->saved_data["needs"] = std::vector<bool>{q.requires_grad(), k.requires_grad(), v.requires_grad(),
                                                  mask.defined() && mask.requires_grad()};
@@ -235,6 +237,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t seed = ctx->saved_data["seed"].toInt();
+    const double softcap = ctx->saved_data["softcap"].toDouble();
     at::Tensor dq, dk, dv, dmask;
     if (at::GradMode::is_enabled()) {  // backward(create_graph=True): it must be differentiable itself
       pybind11::gil_scoped_acquire gil;
@@ -246,7 +249,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                     pybind11::bool_(needs[2]), pybind11::bool_(needs[3])),
                                tensor_or_none(q), tensor_or_none(k), tensor_or_none(v), tensor_or_none(mask),
                                tensor_or_none(key_lengths), pybind11::bool_(is_causal), causal_offset, dropout_p,
-                               scale, seed, tensor_or_none(grads[0])),
+                               scale, seed, tensor_or_none(grads[0]), softcap),
           4, "attention");
       dq = grads_in[0], dk = grads_in[1], dv = grads_in[2], dmask = grads_in[3];
     } else {
@@ -255,11 +258,11 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       std::tie(dq, dk, dv, dmask) =
           attention_bwd_op().call(last_dim_unit_stride(grads[0]), q, k, v, out, lse, optional(mask),
                                   optional(key_lengths), is_causal, causal_offset, dropout_p, scale, seed, mask_grad,
-                                  0.0);
+                                  softcap);
       dmask = mask_grad ? dmask.to(mask.scalar_type()) : at::Tensor();
     }
     return {dq, dk, dv, dmask, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -318,18 +321,18 @@ PyObject* norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 std::pair<at::Tensor, at::Tensor> run_attention(bool forced, const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const OptTensor& attn_mask,
                                                 const OptTensor& key_lengths, bool is_causal, int64_t causal_offset,
-                                                double dropout_p, double scale, int64_t seed) {
+                                                double dropout_p, double scale, int64_t seed, double softcap) {
   const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                    (attn_mask && attn_mask->requires_grad()));
   if (grad) {
     return {AttentionFunction::apply(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale,
-                                     seed, forced)[0],
+                                     seed, softcap, forced)[0],
             at::Tensor()};
   }
   at::AutoDispatchBelowAutograd below;
   auto [out, lse] =
       attention_fwd_op().call(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
-                                  0.0);
+                              softcap);
   return {out, lse};
 }
 
@@ -339,11 +342,11 @@ PyObject* wrap_pair(std::pair<at::Tensor, at::Tensor> out) {
 }
 
 // attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p,
-// scale, seed) -> (out, lse, or None where a gradient is being recorded): the registered
-// forward op on arguments valid by construction (fasttrans.functional prepares them).
+// scale, seed[, softcap]) -> (out, lse, or None where a gradient is being recorded): the
+// registered forward op on arguments valid by construction (fasttrans.functional prepares them).
 PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(nargs == 11, "attention: expected 11 arguments, got ", nargs);
+  TORCH_CHECK(nargs == 11 || nargs == 12, "attention: expected 11 or 12 arguments, got ", nargs);
   for (int i : {1, 2, 3, 4, 5}) {
     TORCH_CHECK_TYPE(THPVariable_Check(args[i]) || (i > 3 && args[i] == Py_None), "attention: argument ", i,
                      " must be a tensor");
@@ -356,11 +359,13 @@ PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const double dropout_p = PyFloat_AsDouble(args[8]);
   const double scale = PyFloat_AsDouble(args[9]);
   const int64_t seed = PyLong_AsLongLong(args[10]);
+  const double softcap = nargs == 12 ? PyFloat_AsDouble(args[11]) : 0.0;
   if (PyErr_Occurred()) return nullptr;
   std::pair<at::Tensor, at::Tensor> out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = run_attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed);
+    out = run_attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed,
+                        softcap);
   }
   return wrap_pair(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -468,7 +473,7 @@ PyObject* attention_common(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::pair<at::Tensor, at::Tensor> out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = run_attention(forced, q, k, v, *attn_mask, *key_lengths, is_causal, causal_offset, 0.0, scale, 0);
+    out = run_attention(forced, q, k, v, *attn_mask, *key_lengths, is_causal, causal_offset, 0.0, scale, 0, 0.0);
   }
   return wrap_pair(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -557,8 +562,8 @@ PyMethodDef methods[] = {
     {"norm_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm_common)), METH_FASTCALL,
      "norm_common(forced, x, residual, weight, bias, eps, rms, n) -> (y, h) or None"},
     {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,
-     "attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed) -> "
-     "(out, lse or None)"},
+     "attention(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed"
+     "[, softcap]) -> (out, lse or None)"},
     {"attention_common", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention_common)),
      METH_FASTCALL,
      "attention_common(forced, q, k, v, attn_mask, key_lengths, is_causal, causal_offset, scale, max_head_dim) "

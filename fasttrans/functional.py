@@ -489,8 +489,9 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
 
 def _attention_softcapped(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks,
                           softcap):
-    """Attention with soft-capped scores through the registered ops of a backend whose kernels
-    cap them (backends.softcaps), else (and with sinks) on the reference's PyTorch ops."""
+    """Attention with soft-capped scores on a backend whose kernels cap them (backends.softcaps),
+    through its eager route as any call (:func:`_run`), else (and with sinks) on the reference's
+    PyTorch ops."""
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
     args = (q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
@@ -507,7 +508,7 @@ def _attention_softcapped(q, k, v, attn_mask, key_lengths, is_causal, causal_off
         if sinks is not None:
             return backends.reference_impl().attention_with_sinks(q, k, v, attn_mask, sinks, *args[4:], softcap)
         return backends.reference_impl().attention_fwd(*args, softcap)[0]
-    return backends.forward_op(name, "attention")(*args, softcap)[0]
+    return _run("attention", q.device, q.dtype, (q, k, v, attn_mask), *args, softcap)[0]
 
 
 def _attention_with_sinks(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks):

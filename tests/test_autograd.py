@@ -82,12 +82,12 @@ def _assert_same(registered, eager):
 
 
 @pytest.mark.parametrize("backend", backend_params("attention"))
-@pytest.mark.parametrize("mask", ["float", "bool", "key_lengths_causal"])
+@pytest.mark.parametrize("mask", ["float", "bool", "key_lengths_causal", "float_softcap"])
 def test_attention_routes_agree(backend, mask):
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 5, 7, 8
     q, k, v = torch.randn(B, H, Lq, D, dtype=f64), torch.randn(B, Hkv, Lk, D, dtype=f64), torch.randn(B, Hkv, Lk, D, dtype=f64)
     attn_mask = key_lengths = None
-    if mask == "float":  # its gradient is computed only when it requires one
+    if mask.startswith("float"):  # its gradient is computed only when it requires one
         attn_mask = make_float_mask((B, 1, Lq, Lk), "cpu", dtype=f64)
     elif mask == "bool":
         attn_mask = torch.rand(B, 1, Lq, Lk) < 0.7
@@ -99,9 +99,11 @@ def test_attention_routes_agree(backend, mask):
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     attn_mask = attn_mask.to(dtype) if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
     args = [q, k, v, attn_mask, key_lengths, mask == "key_lengths_causal", 2, 0.0, D ** -0.5, 0]
+    if mask == "float_softcap":  # the ops' trailing softcap, which the eager routes pass on
+        args.append(0.5)
     registered, eager = _both_routes(backend, "attention", args, 1, [torch.randn(B, H, Lq, D, dtype=dtype)])
     _assert_same(registered, eager)
-    if mask == "float":
+    if mask.startswith("float"):
         assert eager[1][3] is not None and eager[1][3].abs().sum() > 0
 
 
@@ -531,16 +533,18 @@ _ATTENTION_CASES = {
     "key_lengths_causal": dict(key_lengths=True, is_causal=True),
     "dropout_causal_offset": dict(dropout_p=0.3, is_causal=True, causal_offset=2),
     "fully_masked_row": dict(mask="bool", empty_row=True),
+    "float_mask_softcap": dict(mask="float", softcap=0.5),
 }
 
 
 def _attention_case(mask=None, Hkv=2, key_lengths=False, is_causal=False, causal_offset=0, dropout_p=0.0,
-                    empty_row=False):
+                    empty_row=False, softcap=None):
     B, H, Lq, Lk, D = 2, 2, 3, 5, 4
     q = torch.randn(B, H, Lq, D, dtype=f64, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, D, dtype=f64, requires_grad=True)
     v = torch.randn(B, Hkv, Lk, D, dtype=f64, requires_grad=True)
-    inputs, kwargs = [q, k, v], dict(is_causal=is_causal, causal_offset=causal_offset, dropout_p=dropout_p)
+    inputs, kwargs = [q, k, v], dict(is_causal=is_causal, causal_offset=causal_offset, dropout_p=dropout_p,
+                                     softcap=softcap)
     if key_lengths:
         kwargs["key_lengths"] = torch.tensor([Lk, 2])
     if mask == "bool":
@@ -568,6 +572,11 @@ def _attention_case(mask=None, Hkv=2, key_lengths=False, is_causal=False, causal
 def test_attention_second_order_gradients(backend, case):
     inputs, call = _attention_case(**_ATTENTION_CASES[case])
     with _running_on(backend, "attention"):
+        # the gradients recorded for a second order are those of a plain backward
+        dy = torch.randn_like(call(*inputs))
+        plain = torch.autograd.grad(call(*inputs), inputs, dy)
+        for got, want in zip(torch.autograd.grad(call(*inputs), inputs, dy, create_graph=True), plain):
+            torch.testing.assert_close(got, want)
         assert torch.autograd.gradgradcheck(call, inputs)
 
 

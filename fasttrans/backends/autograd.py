@@ -165,13 +165,13 @@ def _extension_norm_second_order(forced: bool, rms, eps, needs, x, residual, wei
 
 
 def _extension_attention_second_order(forced: bool, needs, q, k, v, attn_mask, key_lengths, is_causal,
-                                      causal_offset, dropout_p, scale, seed, dout) -> tuple:
+                                      causal_offset, dropout_p, scale, seed, dout, softcap=0.0) -> tuple:
     """(dq, dk, dv, dmask) under backward(create_graph=True) for the extension's C++
     autograd node (csrc/eager.cpp): the reference forward's, as the Python route computes them."""
     _check_second_order("attention", "extension", "extension" if forced else None)
     return _grad_with_graph(
         lambda q, k, v, m: reference.ReferenceImpl.attention_fwd(
-            q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)[0],
+            q, k, v, m, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap)[0],
         (q, k, v, attn_mask), needs, (dout,))
 
 
