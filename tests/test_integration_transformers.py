@@ -172,8 +172,8 @@ _MORE_DECODERS = ["qwen2", "qwen3", "mistral", "phi", "phi3", "gemma", "gemma2",
                   "smollm3", "glm4", "exaone4", "ernie4_5", "codegen", "biogpt", "persimmon", "helium", "minicpm3",
                   *_MOE_DECODERS]
 _MORE_ENCODERS = ["roberta", "distilbert", "albert", "electra", "modernbert", "esm", "ernie", "eurobert"]
-# the norms apply() reports and leaves, by class: a norm that holds no size
-_NORMS_KEPT = {"inkling2_text": {"Inkling2UnweightedRMSNorm"}}
+# the norms apply() reports and leaves, by class (none: Inkling 2's norm that holds no size is replaced too)
+_NORMS_KEPT: dict[str, set[str]] = {}
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=37, vocab_size=V, head_dim=8, max_position_embeddings=64, n_embd=32, n_layer=2,
               n_head=4, n_positions=64, embedding_size=32, rotary_dim=4, ffn_dim=37, word_embed_proj_dim=32,
@@ -576,6 +576,59 @@ def test_layer_norm_without_parameters_matches_olmo_norm_in_every_precision():
         tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
         for g, w in ((got, want), (got_dx, want_dx)):
             torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+def _gemma3n_unscaled_norm():
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+
+    return Gemma3nRMSNorm(48, eps=1e-6, with_scale=False)
+
+
+def _inkling2_unweighted_norm():
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2UnweightedRMSNorm
+
+    return Inkling2UnweightedRMSNorm(eps=1e-5)
+
+
+class _UnsizedLayerNorm(torch.nn.Module):
+    """A parameter-free layer norm over whatever last dimension it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-5
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+_UnsizedLayerNorm.__module__ = "transformers.models.unsized.modeling_unsized"
+
+
+@pytest.mark.parametrize("make, kind", [(_inkling2_unweighted_norm, ftt.UnsizedRMSNorm),
+                                        (_gemma3n_unscaled_norm, ftt.UnsizedRMSNorm),
+                                        (_UnsizedLayerNorm, ftt.UnsizedLayerNorm)],
+                         ids=["inkling2", "gemma3n", "layer_norm"])
+def test_norms_that_hold_no_size_become_unsized_norms(make, kind):
+    """A norm without parameters that holds no size normalises whatever last dimension it
+    gets: its replacement does too, with its eps, numbers and input gradient, in the input's dtype."""
+    holder = torch.nn.Sequential(make())
+    _, skipped = ftt.apply(holder, attention=False)
+    assert skipped == [] and type(holder[0]) is kind and list(holder.state_dict()) == []
+    original = make()
+    assert holder[0].variance_epsilon == holder[0].eps == getattr(original, "variance_epsilon", getattr(original, "eps", 0))
+    for n in (7, 48, 300):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(3, 5, n) * 3 + 1).to(dtype).requires_grad_()
+            dy = torch.randn(3, 5, n).to(dtype)
+            want = make()(x)
+            (want_dx,) = torch.autograd.grad(want, x, dy)
+            got = holder[0](x)
+            (got_dx,) = torch.autograd.grad(got, x, dy)
+            assert got.dtype == want.dtype == dtype
+            tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
+            for g, w in ((got, want), (got_dx, want_dx)):
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item(),
+                                           msg=lambda m, n=n, dtype=dtype: f"{n} features, {dtype}: {m}")
 
 
 class _WeightlessLayerNorm(torch.nn.Module):

@@ -39,8 +39,10 @@ that path.
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
 :class:`RMSNorm`, those that compute ``(1 + weight) * x / rms(x)`` (Gemma's) with
 :class:`OffsetRMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`,
-and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping the Parameter objects and
-state_dict keys; norms that compute something else are reported, not replaced.
+parameter-free norms that hold no size (Inkling 2's) with :class:`UnsizedRMSNorm` or
+:class:`UnsizedLayerNorm`, and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping
+the Parameter objects and state_dict keys; norms that compute something else are reported,
+not replaced.
 docs/integrations.md has the details.
 """
 
@@ -63,7 +65,7 @@ from ..nn import mask_translation
 from ..nn._pinning import pinnable
 
 __all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
-           "RMSNorm", "OffsetRMSNorm", "LayerNorm"]
+           "RMSNorm", "OffsetRMSNorm", "LayerNorm", "UnsizedRMSNorm", "UnsizedLayerNorm"]
 
 NAME = "fasttrans"
 SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
@@ -465,9 +467,41 @@ class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
         return FT.layer_norm(x.to(dtype), self.normalized_shape, w.to(dtype), None, self.eps).to(x.dtype)
 
 
+class UnsizedRMSNorm(_VarianceEpsilon, nn.Module):
+    """An RMS norm without parameters over the input's last dimension, whatever its size, in
+    the place of a transformers norm that holds no size (``Inkling2UnweightedRMSNorm``, Gemma
+    3n's unscaled ``Gemma3nRMSNorm``): ``x / sqrt(mean(x²) + eps)`` on fasttrans's kernels, the
+    statistics in fp32, the output in the input's dtype, as those modules return it."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = float(eps)
+
+    @pinnable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FT.rms_norm(x, x.shape[-1:], None, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+class UnsizedLayerNorm(UnsizedRMSNorm):
+    """A layer norm without parameters over the input's last dimension, whatever its size:
+    ``(x - mean) / sqrt(var + eps)``, as :class:`UnsizedRMSNorm` is an RMS norm."""
+
+    @pinnable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FT.layer_norm(x, x.shape[-1:], None, None, self.eps)
+
+
+# The feature count a norm that holds no size is probed with (any size would do).
+_UNSIZED_PROBE = 64
+
+
 def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
     """(eps, hidden size, None) for a transformers norm that may compute one of _FORMULAS
-    over its last dimension (with a 1-D weight, or without parameters), else (None, None, why)."""
+    over its last dimension (with a 1-D weight, or without parameters), else (None, None, why).
+    The size is None for a norm without parameters that holds none (it normalises any size)."""
     own_params = {n for n, p in m._parameters.items() if p is not None}
     if own_params not in ({"weight"}, set()):
         return None, None, f"its parameters are {sorted(own_params)}, not a weight alone or none"
@@ -480,10 +514,13 @@ def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
     else:
         shape = getattr(m, "normalized_shape", getattr(m, "hidden_size", None))
         shape = (shape,) if isinstance(shape, int) else shape
-        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int)
-                and not isinstance(shape[0], bool) and shape[0] >= 1):
-            return None, None, "it has no weight, nor a normalized_shape of one positive size"
-        hidden = int(shape[0])
+        if shape is None:
+            hidden = None
+        elif not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int)
+                  and not isinstance(shape[0], bool) and shape[0] >= 1):
+            return None, None, "it has no weight, and its normalized_shape is not one positive size"
+        else:
+            hidden = int(shape[0])
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if eps is None and not own_params:
         eps = 1e-5  # torch.nn.functional.layer_norm's default, which OLMo's norm uses: the probe checks it
@@ -551,10 +588,12 @@ def _norm_replacement(m: nn.Module) -> tuple[type | None, float | None, str | No
     for kind, formula in ((RMSNorm, "rms"), (OffsetRMSNorm, "offset"), (LayerNorm, "centred")):
         if formula == "offset" and not weighted:
             continue
-        err = _probe_error(m, eps, hidden, formula)
+        err = _probe_error(m, eps, _UNSIZED_PROBE if hidden is None else hidden, formula)
         if isinstance(err, str):
             return None, None, err
         if err <= 1:
+            if hidden is None:
+                kind = UnsizedRMSNorm if kind is RMSNorm else UnsizedLayerNorm
             return kind, eps, None
         errors[formula] = err
     return None, None, ("its output differs on a probe from " + ", ".join(
@@ -583,6 +622,8 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                     if "weight" in child._parameters and child.weight is not None:
                         new = kind(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
                         new.register_parameter("weight", child.weight)  # the same Parameter object
+                    elif kind in (UnsizedRMSNorm, UnsizedLayerNorm):
+                        new = kind(eps=eps)
                     else:
                         new = kind(_norm_eps(child)[1], eps=eps, elementwise_affine=False)
                     new.training = child.training
@@ -602,7 +643,9 @@ def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
 
     Replaces its norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm`, ``(1 +
     weight) * x / rms(x)`` (Gemma's) with :class:`OffsetRMSNorm` and ``weight * (x - mean) /
-    sqrt(var + eps)`` (Cohere's) with :class:`LayerNorm`, each checked on a probe first, and its
+    sqrt(var + eps)`` (Cohere's) with :class:`LayerNorm` (those without parameters that hold
+    no size with :class:`UnsizedRMSNorm` and :class:`UnsizedLayerNorm`), each checked on a
+    probe first, and its
     ``torch.nn.LayerNorm`` modules with ``fasttrans.nn.LayerNorm`` (``fasttrans.convert``),
     keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
     ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
