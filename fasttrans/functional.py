@@ -348,8 +348,7 @@ def attention(
             and their backward takes the rescaled gradient.
         softcap: > 0 soft-caps the scaled scores before the masks, as Gemma 2 does:
             softcap * tanh(s / softcap); None or 0 leaves them as they are. Every backend's
-            kernels compute it, forward and backward; with sinks it runs on the reference
-            (with a one-time warning, or an error when a backend is forced).
+            kernels compute it, forward and backward, with sinks too.
 
     Returns:
         (B, H, Lq, Dv) in q's dtype. A query with no allowed key gets 0 (and zero gradients).
@@ -490,24 +489,26 @@ def attention_prevalidated(q, k, v, attn_mask, key_lengths, is_causal, causal_of
 def _attention_softcapped(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, sinks,
                           softcap):
     """Attention with soft-capped scores on a backend whose kernels cap them (backends.softcaps),
-    through its eager route as any call (:func:`_run`), else (and with sinks) on the reference's
-    PyTorch ops."""
+    through its eager route as any call (:func:`_run`; with sinks, backends.attention_with_sinks),
+    else on the reference's PyTorch ops."""
     q, k, v, attn_mask, key_lengths, scale = _prepare_attention(q, k, v, attn_mask, key_lengths, scale)
     seed = 0 if dropout_p == 0.0 else _draw_seed(dropout_p)
     args = (q, k, v, attn_mask, key_lengths, is_causal, causal_offset, float(dropout_p), scale, seed)
     name = (_selected_backend("attention", str(q.device), q.dtype) if _is_compiling()
             else backends.select_backend("attention", q.device, q.dtype).name)
-    fused = backends.softcaps(name, q.device) and sinks is None
+    fused = backends.softcaps(name, q.device)
     if not fused and name != "reference":
-        what = "soft-capped attention with sinks" if sinks is not None else "soft-capped attention"
-        _fall_back_to_reference(what, f"{what} on {q.device.type}",
-                                f"the {name} backend's kernels do not soft-cap scores"
-                                + (" with sinks" if sinks is not None else ""))
+        _fall_back_to_reference("soft-capped attention", f"soft-capped attention on {q.device.type}",
+                                f"the {name} backend's kernels do not soft-cap scores")
+    # sinks under any torch.func transform: the reference, as _attention_with_sinks decides
     if (not fused or q.numel() == 0 or _on_reference_for_head_dim(q.shape[3])
+            or (sinks is not None and _functorch.maybe_current_level() is not None)
             or _on_reference_under_transform("attention", q, k, v, attn_mask, sinks)):
         if sinks is not None:
             return backends.reference_impl().attention_with_sinks(q, k, v, attn_mask, sinks, *args[4:], softcap)
         return backends.reference_impl().attention_fwd(*args, softcap)[0]
+    if sinks is not None:
+        return backends.attention_with_sinks(name, q, k, v, attn_mask, sinks, *args[4:], softcap)
     return _run("attention", q.device, q.dtype, (q, k, v, attn_mask), *args, softcap)[0]
 
 

@@ -88,21 +88,44 @@ def test_soft_capped_attention_matches_eager_gemma2(kind, backend):
     assert (got.double() - uncapped).abs().max() > 0.1, "the cap should change the output"
 
 
+def _eager_with_sinks(q, k, v, cap, allowed, sinks):
+    """The capped scores' softmax with a sink column (one logit per head, not capped) that
+    attends to no value, as gpt-oss's eager attention adds it."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(2, 3) / math.sqrt(q.shape[-1])
+    s = s if cap is None else torch.tanh(s / cap) * cap
+    s = torch.cat([s.masked_fill(~allowed, float("-inf")), sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    return s.softmax(-1)[..., :-1] @ v
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_soft_capping_with_other_value_dims_and_sinks(backend):
-    q, k, v = _inputs(_dtype(backend), dv=12)
-    sinks = torch.randn(H, dtype=torch.float64)
-    everything = torch.ones(LQ, LK, dtype=torch.bool)
-    with fasttrans.use_backend(backend), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # sinks with a cap: the reference on every backend
-        got = fasttrans.attention(q, k, v, softcap=CAP)
-        with_sinks = fasttrans.attention(q, k, v, softcap=CAP, sinks=sinks) if backend == "reference" else None
-    assert_close_lowp("out", got, _eager(q.double(), k.double(), v.double(), CAP, everything), None,
-                      dtype=torch.float32 if backend == "triton" else torch.float64)
-    if with_sinks is not None:  # the sink column joins the capped scores' softmax
-        s = torch.tanh(q @ k.repeat_interleave(2, 1).transpose(2, 3) / 4 / CAP) * CAP
-        s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, LQ, 1)], -1)
-        torch.testing.assert_close(with_sinks, s.softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1))
+@pytest.mark.parametrize("dv", [D, 12], ids=["same_value_dim", "other_value_dim"])
+def test_soft_capping_with_sinks_runs_on_every_backends_kernels(backend, dv):
+    """A cap and sinks together: no fallback to the reference (a warning fails the test, a
+    forced backend does not raise), the output and every gradient, the sinks' included, of
+    the capped scores' softmax with the sink column."""
+    dtype = _dtype(backend)
+    q, k, v = _inputs(dtype, dv=dv)
+    sinks = torch.randn(H, dtype=torch.float64).to(dtype)
+    kw, allowed, _ = _mask("bool")
+    dy = torch.randn(B, H, LQ, dv, dtype=torch.float64)
+
+    def ours(q, k, v, s):
+        with fasttrans.use_backend(backend), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return fasttrans.attention(q, k, v, softcap=CAP, sinks=s, **kw)
+
+    got, got_grads = _with_grads(ours, (q, k, v, sinks), dy.to(dtype))
+    want, want_grads = _with_grads(lambda q, k, v, s: _eager_with_sinks(q, k, v, CAP, allowed, s),
+                                   (q.double(), k.double(), v.double(), sinks.double()), dy)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), (got, *got_grads), (want, *want_grads)):
+        if dtype == torch.float64:
+            torch.testing.assert_close(g, w, msg=lambda m: f"{name}: {m}")
+        else:
+            assert_close_lowp(name, g, w, None, dtype=dtype)
+    uncapped = _eager_with_sinks(q.double(), k.double(), v.double(), None, allowed, sinks.double())
+    assert (got.double() - uncapped).abs().max() > 0.1, "the cap should change the output"
 
 
 @pytest.mark.parametrize("softcap", [None, 0, 0.0])
@@ -138,19 +161,23 @@ def test_automatic_selection_without_capping_kernels_warns_once_and_runs_the_ref
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_soft_capping_traces_without_a_graph_break_and_matches_eager(backend):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_compiled_soft_capping_traces_without_a_graph_break_and_matches_eager(backend, with_sinks):
     q, k, v = _inputs(torch.float32)
     kw, _, bias = _mask("float")
     bias = bias.float()
     dy = torch.randn(B, H, LQ, D)
+    sinks = torch.randn(H)
 
-    def f(q, k, v, b):
-        return fasttrans.attention(q, k, v, attn_mask=b, key_lengths=torch.tensor([9, 4]), softcap=CAP)
+    def f(q, k, v, b, *s):
+        return fasttrans.attention(q, k, v, attn_mask=b, key_lengths=torch.tensor([9, 4]), softcap=CAP,
+                                   sinks=s[0] if s else None)
 
     torch._dynamo.reset()
+    tensors = (q, k, v, bias) + ((sinks,) if with_sinks else ())
     with fasttrans.use_backend(backend):
-        got, got_grads = _with_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), (q, k, v, bias), dy)
-        want, want_grads = _with_grads(f, (q, k, v, bias), dy)
+        got, got_grads = _with_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), tensors, dy)
+        want, want_grads = _with_grads(f, tensors, dy)
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w)

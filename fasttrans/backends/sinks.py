@@ -15,6 +15,8 @@ A row with no allowed key has ``lse = +inf`` (the backend interface's convention
 ``c = 1``: its output and gradients stay the kernels' zeros, as in eager attention, where
 the sink takes all of the row's weight. The kernels' own ``lse`` goes back to their
 backward, so every backend's recomputation of a row's statistics stays consistent with it.
+Soft-capped scores change none of this: the kernels cap them (their trailing ``softcap``) and
+the sink, which is not a score of q and k, stays as it is.
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ def _ops(name: str):
 class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, name,
-                forced):
+                forced, softcap):
         fwd, _ = _ops(name)
-        out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+        cap = (softcap,) if softcap else ()  # the ops' trailing softcap, passed only when there is one
+        out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *cap)
         y, c = _fold(out, lse, sinks)
         ctx.save_for_backward(q, k, v, y, lse, c, attn_mask, sinks, key_lengths)
         ctx.args = (is_causal, causal_offset, dropout_p, scale, seed)
+        ctx.cap = cap
         ctx.name, ctx.forced = name, forced
         ctx.mask_grad = attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
         return y
@@ -74,18 +78,18 @@ class _SinkAttention(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, y, lse, c, attn_mask, sinks, key_lengths = ctx.saved_tensors
         is_causal, causal_offset, dropout_p, scale, seed = ctx.args
-        nothing = (None,) * 8
+        nothing = (None,) * 9
         if torch.is_grad_enabled():  # backward(create_graph=True): the reference's, differentiable again
             _check_second_order("attention", ctx.name, ctx.forced)
             grads = _grad_with_graph(
                 lambda q, k, v, m, s: reference.ReferenceImpl.attention_with_sinks(
-                    q, k, v, m, s, key_lengths, is_causal, causal_offset, dropout_p, scale, seed),
+                    q, k, v, m, s, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *ctx.cap),
                 (q, k, v, attn_mask, sinks), ctx.needs_input_grad[:5], (dy,))
             return (*grads, *nothing)
         _, bwd = _ops(ctx.name)
         dout = last_dim_unit_stride((dy * c.unsqueeze(-1)).to(y.dtype))  # a view's layout, as the op formulas take it
         dq, dk, dv, dmask = bwd(dout, q, k, v, y, lse, attn_mask, key_lengths, is_causal, causal_offset,
-                                dropout_p, scale, seed, ctx.mask_grad)
+                                dropout_p, scale, seed, ctx.mask_grad, *ctx.cap)
         dmask = dmask.to(attn_mask.dtype) if ctx.mask_grad else None
         dsinks = None
         if ctx.needs_input_grad[4]:
@@ -96,18 +100,19 @@ class _SinkAttention(torch.autograd.Function):
 
 
 def attention_with_sinks(name: str, q, k, v, attn_mask, sinks, key_lengths, is_causal: bool, causal_offset: int,
-                         dropout_p: float, scale: float, seed: int) -> torch.Tensor:
+                         dropout_p: float, scale: float, seed: int, softcap: float = 0.0) -> torch.Tensor:
     """Backend ``name``'s attention with sink logits ``sinks``, (H,) or broadcastable to
-    (B, H, Lq); the other arguments are the registered forward op's, already valid. Returns
-    (B, H, Lq, D)."""
+    (B, H, Lq); the other arguments are the registered forward op's, already valid (a softcap
+    only for a backend whose kernels cap, registry.softcaps). Returns (B, H, Lq, D)."""
     if name == "reference":  # the oracle computes the sinks as eager attention does
         return reference.ReferenceImpl.attention_with_sinks(
-            q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+            q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, softcap)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask, sinks)):
         # the forced backend is read here: dynamo cannot trace a context variable's read
         forced = None if torch.compiler.is_compiling() else current_forced_backend()
         return _SinkAttention.apply(q, k, v, attn_mask, sinks, key_lengths, is_causal, causal_offset, dropout_p,
-                                    scale, seed, name, forced)
+                                    scale, seed, name, forced, softcap)
     fwd, _ = _ops(name)
-    out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed)
+    cap = (softcap,) if softcap else ()
+    out, lse = fwd(q, k, v, attn_mask, key_lengths, is_causal, causal_offset, dropout_p, scale, seed, *cap)
     return _fold(out, lse, sinks)[0]
