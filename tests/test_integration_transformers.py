@@ -566,16 +566,23 @@ def test_layer_norm_without_parameters_matches_olmo_norm_in_every_precision():
         _, skipped = ftt.apply(holder, attention=False)
         assert skipped == [] and isinstance(holder[0], ftt.LayerNorm)
         assert holder[0].weight is None and holder[0].eps == 1e-5 and list(holder.state_dict()) == []
-        x = (torch.randn(5, 64) * 3 + 2).to(dtype).requires_grad_()
-        dy = torch.randn(5, 64).to(dtype)
-        want = OlmoLayerNorm(64)(x)
-        (want_dx,) = torch.autograd.grad(want, x, dy)
-        got = holder[0](x)
-        (got_dx,) = torch.autograd.grad(got, x, dy)
-        assert got.dtype == want.dtype == dtype
-        tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
-        for g, w in ((got, want), (got_dx, want_dx)):
-            torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+        _assert_norm_matches(holder[0], OlmoLayerNorm(64), (5, 64), dtype, shift=2)
+
+
+def _assert_norm_matches(got_norm, want_norm, shape, dtype, shift=1):
+    """got_norm's output and input gradient are want_norm's within 2 ulp of dtype, in dtype:
+    both compute in fp32 and round once to dtype."""
+    x = (torch.randn(shape) * 3 + shift).to(dtype).requires_grad_()
+    dy = torch.randn(shape).to(dtype)
+    want = want_norm(x)
+    (want_dx,) = torch.autograd.grad(want, x, dy)
+    got = got_norm(x)
+    (got_dx,) = torch.autograd.grad(got, x, dy)
+    assert got.dtype == want.dtype == dtype
+    tol = 2 * torch.finfo(dtype).eps
+    for g, w in ((got, want), (got_dx, want_dx)):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item(),
+                                   msg=lambda m: f"{tuple(shape)}, {dtype}: {m}")
 
 
 def _gemma3n_unscaled_norm():
@@ -618,17 +625,7 @@ def test_norms_that_hold_no_size_become_unsized_norms(make, kind):
     assert holder[0].variance_epsilon == holder[0].eps == getattr(original, "variance_epsilon", getattr(original, "eps", 0))
     for n in (7, 48, 300):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            x = (torch.randn(3, 5, n) * 3 + 1).to(dtype).requires_grad_()
-            dy = torch.randn(3, 5, n).to(dtype)
-            want = make()(x)
-            (want_dx,) = torch.autograd.grad(want, x, dy)
-            got = holder[0](x)
-            (got_dx,) = torch.autograd.grad(got, x, dy)
-            assert got.dtype == want.dtype == dtype
-            tol = 2 * torch.finfo(dtype).eps  # both compute in fp32 and round once to dtype
-            for g, w in ((got, want), (got_dx, want_dx)):
-                torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item(),
-                                           msg=lambda m, n=n, dtype=dtype: f"{n} features, {dtype}: {m}")
+            _assert_norm_matches(holder[0], original, (3, 5, n), dtype)
 
 
 class _WeightlessLayerNorm(torch.nn.Module):
