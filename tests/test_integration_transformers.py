@@ -186,7 +186,8 @@ _MOE_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
 # latent attention's dims; a logit cap that these small models' scores reach
 _OWN = {"gpt_oss": dict(sliding_window=4),
         **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"), _MLA),
-        **dict.fromkeys(("gemma2", "vaultgemma"), dict(attn_logit_softcapping=0.5))}
+        **dict.fromkeys(("gemma2", "vaultgemma"), dict(attn_logit_softcapping=0.5)),
+        "cohere": dict(use_qk_norm=True)}  # layer norms of queries and keys with a weight per head
 # (intermediate_size: torch._grouped_mm, which runs some families' experts, needs rows of a multiple of 16 bytes)
 _MOE = dict(dict.fromkeys(_MOE_EXPERTS + _MOE_TOP_K, 4), moe_intermediate_size=16, intermediate_size=40,
             shared_expert_intermediate_size=16)
@@ -622,10 +623,38 @@ def test_norms_that_hold_no_size_become_unsized_norms(make, kind):
     _, skipped = ftt.apply(holder, attention=False)
     assert skipped == [] and type(holder[0]) is kind and list(holder.state_dict()) == []
     original = make()
-    assert holder[0].variance_epsilon == holder[0].eps == getattr(original, "variance_epsilon", getattr(original, "eps", 0))
+    eps = getattr(original, "variance_epsilon", getattr(original, "eps", None))
+    assert holder[0].variance_epsilon == holder[0].eps == eps
     for n in (7, 48, 300):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             _assert_norm_matches(holder[0], original, (3, 5, n), dtype)
+
+
+def test_head_layer_norm_matches_cohere_query_key_norms_in_every_precision():
+    """Cohere's query/key norm (a layer norm over head_dim with a (heads, head_dim) weight)
+    becomes HeadLayerNorm with the same Parameter: its numbers and the gradients of the input
+    and of the weight, in the input's dtype (both normalise and scale in fp32 and round once)."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        original = CohereLayerNorm((4, 16), eps=1e-5)
+        with torch.no_grad():
+            original.weight.copy_(torch.randn(4, 16))
+        holder = torch.nn.Sequential(copy.deepcopy(original))
+        _, skipped = ftt.apply(holder, attention=False)
+        assert skipped == [] and isinstance(holder[0], ftt.HeadLayerNorm)
+        assert holder[0].eps == holder[0].variance_epsilon == 1e-5 and list(holder.state_dict()) == ["0.weight"]
+        x = (torch.randn(2, 5, 4, 16) * 3 + 1).to(dtype).requires_grad_()
+        dy = torch.randn(2, 5, 4, 16).to(dtype)
+        want = original(x)
+        want_dx, want_dw = torch.autograd.grad(want, (x, original.weight), dy)
+        got = holder[0](x)
+        got_dx, got_dw = torch.autograd.grad(got, (x, holder[0].weight), dy)
+        assert got.dtype == want.dtype == dtype and got_dw.dtype == torch.float32
+        tol = 2 * torch.finfo(dtype).eps
+        for g, w in ((got, want), (got_dx, want_dx), (got_dw, want_dw)):
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item(),
+                                       msg=lambda m, dtype=dtype: f"{dtype}: {m}")
 
 
 class _WeightlessLayerNorm(torch.nn.Module):

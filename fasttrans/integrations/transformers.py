@@ -38,8 +38,9 @@ that path.
 ``apply(model)`` replaces transformers' RMSNorm classes that compute
 ``weight * x / rms(x)`` (Llama's and the families that copy it, T5's ``T5LayerNorm``) with
 :class:`RMSNorm`, those that compute ``(1 + weight) * x / rms(x)`` (Gemma's) with
-:class:`OffsetRMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`,
-parameter-free norms that hold no size (Inkling 2's) with :class:`UnsizedRMSNorm` or
+:class:`OffsetRMSNorm`, its layer norms with a weight alone (Cohere's) with :class:`LayerNorm`
+(with a weight per head, Cohere's query and key norms, :class:`HeadLayerNorm`), parameter-free
+norms that hold no size (Inkling 2's) with :class:`UnsizedRMSNorm` or
 :class:`UnsizedLayerNorm`, and ``torch.nn.LayerNorm`` (through ``fasttrans.convert``), keeping
 the Parameter objects and state_dict keys; norms that compute something else are reported,
 not replaced.
@@ -65,7 +66,7 @@ from ..nn import mask_translation
 from ..nn._pinning import pinnable
 
 __all__ = ["NAME", "SUPPORTED_VERSIONS", "register", "attention_forward", "attention_mask", "apply", "replacing_norms",
-           "RMSNorm", "OffsetRMSNorm", "LayerNorm", "UnsizedRMSNorm", "UnsizedLayerNorm"]
+           "RMSNorm", "OffsetRMSNorm", "LayerNorm", "HeadLayerNorm", "UnsizedRMSNorm", "UnsizedLayerNorm"]
 
 NAME = "fasttrans"
 SUPPORTED_VERSIONS = ((5, 0), (6, 0))  # [lowest, first unsupported): the range the tests run on
@@ -494,23 +495,47 @@ class UnsizedLayerNorm(UnsizedRMSNorm):
         return FT.layer_norm(x, x.shape[-1:], None, None, self.eps)
 
 
+class HeadLayerNorm(_VarianceEpsilon, nn.Module):
+    """A layer norm over the last dimension with a weight per head, ``(heads, head_dim)``, in
+    the place of Cohere's query and key norms (``CohereLayerNorm`` built with a 2-D size):
+    ``weight * (x - mean) / sqrt(var + eps)`` over each head's ``head_dim`` features of x
+    (..., heads, head_dim). fasttrans's layer_norm kernel normalises in fp32, the weight
+    multiplies in fp32 (one torch op: the kernels take one weight for every row), and the
+    result rounds once to the input's dtype, as Cohere's does. Same ``weight`` Parameter and
+    state_dict key; the eps also as ``variance_epsilon``."""
+
+    def __init__(self, normalized_shape: tuple[int, int], eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(tuple(normalized_shape), device=device, dtype=dtype))
+        self.eps = float(eps)
+
+    @pinnable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = FT.layer_norm(x.float(), x.shape[-1:], None, None, self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 # The feature count a norm that holds no size is probed with (any size would do).
 _UNSIZED_PROBE = 64
 
 
-def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
-    """(eps, hidden size, None) for a transformers norm that may compute one of _FORMULAS
-    over its last dimension (with a 1-D weight, or without parameters), else (None, None, why).
-    The size is None for a norm without parameters that holds none (it normalises any size)."""
+def _norm_eps(m: nn.Module) -> tuple[float | None, tuple | None, str | None]:
+    """(eps, feature shape, None) for a transformers norm that may compute one of _FORMULAS
+    over its last dimension (with a 1-D weight, a 2-D one per head, or without parameters),
+    else (None, None, why). The shape is the weight's, (hidden,) without one, and None for a
+    norm without parameters that holds no size (it normalises any size)."""
     own_params = {n for n, p in m._parameters.items() if p is not None}
     if own_params not in ({"weight"}, set()):
         return None, None, f"its parameters are {sorted(own_params)}, not a weight alone or none"
     if any(b is not None for b in m._buffers.values()) or any(c is not None for c in m._modules.values()):
         return None, None, "it holds buffers or submodules, which these norms do not"
     if own_params:
-        if m.weight.dim() != 1:
-            return None, None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,)"
-        hidden = m.weight.shape[0]
+        if m.weight.dim() not in (1, 2):
+            return None, None, f"its weight has shape {tuple(m.weight.shape)}, not (hidden,) or (heads, head_dim)"
+        hidden = tuple(m.weight.shape)
     else:
         shape = getattr(m, "normalized_shape", getattr(m, "hidden_size", None))
         shape = (shape,) if isinstance(shape, int) else shape
@@ -520,7 +545,7 @@ def _norm_eps(m: nn.Module) -> tuple[float | None, int | None, str | None]:
                   and not isinstance(shape[0], bool) and shape[0] >= 1):
             return None, None, "it has no weight, and its normalized_shape is not one positive size"
         else:
-            hidden = int(shape[0])
+            hidden = (int(shape[0]),)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if eps is None and not own_params:
         eps = 1e-5  # torch.nn.functional.layer_norm's default, which OLMo's norm uses: the probe checks it
@@ -543,14 +568,15 @@ _FORMULAS = {
 }
 
 
-def _probe_error(m: nn.Module, eps: float, n: int, formula: str) -> float | str:
-    """How far m's forward is from ``formula`` (a key of _FORMULAS) on a probe of n features,
-    as a multiple of the tolerance (at most 1: it computes that formula), or why the probe
-    could not run. The probe has a row whose mean square is near eps (where eps is added
-    shows) and one far from zero mean (a mean subtraction shows)."""
-    w = m.weight if "weight" in m._parameters and m.weight is not None else torch.ones(n)
+def _probe_error(m: nn.Module, eps: float, shape: tuple, formula: str) -> float | str:
+    """How far m's forward is from ``formula`` (a key of _FORMULAS) on a probe of features of
+    ``shape`` (normalised over the last dimension), as a multiple of the tolerance (at most 1:
+    it computes that formula), or why the probe could not run. The probe has a row whose mean
+    square is near eps (where eps is added shows) and one far from zero mean (a mean
+    subtraction shows)."""
+    w = m.weight if "weight" in m._parameters and m.weight is not None else torch.ones(shape)
     g = torch.Generator().manual_seed(0)  # leaves torch's global generator alone
-    x = torch.randn(4, n, generator=g, dtype=torch.float64)
+    x = torch.randn(4, *shape, generator=g, dtype=torch.float64)
     x[1] *= max(eps, 1e-12) ** 0.5
     x[2] += 3.0
     xd = x.to(device=w.device, dtype=torch.float32)
@@ -580,19 +606,22 @@ def _probe_error(m: nn.Module, eps: float, n: int, formula: str) -> float | str:
 def _norm_replacement(m: nn.Module) -> tuple[type | None, float | None, str | None]:
     """(the fasttrans class computing what the transformers norm m computes, its eps, None),
     or (None, None, why m cannot be replaced)."""
-    eps, hidden, why = _norm_eps(m)
+    eps, features, why = _norm_eps(m)
     if why is not None:
         return None, None, why
     errors = {}
     weighted = "weight" in m._parameters and m.weight is not None
-    for kind, formula in ((RMSNorm, "rms"), (OffsetRMSNorm, "offset"), (LayerNorm, "centred")):
+    kinds = ((RMSNorm, "rms"), (OffsetRMSNorm, "offset"), (LayerNorm, "centred"))
+    if features is not None and len(features) == 2:  # a weight per head: Cohere's layer norms alone
+        kinds = ((HeadLayerNorm, "centred"),)
+    for kind, formula in kinds:
         if formula == "offset" and not weighted:
             continue
-        err = _probe_error(m, eps, _UNSIZED_PROBE if hidden is None else hidden, formula)
+        err = _probe_error(m, eps, (_UNSIZED_PROBE,) if features is None else features, formula)
         if isinstance(err, str):
             return None, None, err
         if err <= 1:
-            if hidden is None:
+            if features is None:
                 kind = UnsizedRMSNorm if kind is RMSNorm else UnsizedLayerNorm
             return kind, eps, None
         errors[formula] = err
@@ -620,12 +649,13 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                     skipped.append((path, f"{type(child).__name__}: {why}"))
                 else:
                     if "weight" in child._parameters and child.weight is not None:
-                        new = kind(child.weight.shape[0], eps=eps, device="meta", dtype=child.weight.dtype)
+                        size = tuple(child.weight.shape) if kind is HeadLayerNorm else child.weight.shape[0]
+                        new = kind(size, eps=eps, device="meta", dtype=child.weight.dtype)
                         new.register_parameter("weight", child.weight)  # the same Parameter object
                     elif kind in (UnsizedRMSNorm, UnsizedLayerNorm):
                         new = kind(eps=eps)
                     else:
-                        new = kind(_norm_eps(child)[1], eps=eps, elementwise_affine=False)
+                        new = kind(_norm_eps(child)[1][0], eps=eps, elementwise_affine=False)
                     new.training = child.training
             done[id(child)] = new
             if new is child:
@@ -643,9 +673,9 @@ def apply(model: nn.Module, *, attention: bool = True, unpad: bool = False,
 
     Replaces its norms that compute ``weight * x / rms(x)`` with :class:`RMSNorm`, ``(1 +
     weight) * x / rms(x)`` (Gemma's) with :class:`OffsetRMSNorm` and ``weight * (x - mean) /
-    sqrt(var + eps)`` (Cohere's) with :class:`LayerNorm` (those without parameters that hold
-    no size with :class:`UnsizedRMSNorm` and :class:`UnsizedLayerNorm`), each checked on a
-    probe first, and its
+    sqrt(var + eps)`` (Cohere's) with :class:`LayerNorm` (with a weight per head,
+    :class:`HeadLayerNorm`; those without parameters that hold no size, :class:`UnsizedRMSNorm`
+    and :class:`UnsizedLayerNorm`), each checked on a probe first, and its
     ``torch.nn.LayerNorm`` modules with ``fasttrans.nn.LayerNorm`` (``fasttrans.convert``),
     keeping their Parameter objects and state_dict keys, so ``save_pretrained`` and
     ``from_pretrained`` round trips and optimizers keep working; and, with ``attention``,
