@@ -468,25 +468,29 @@ class LayerNorm(_VarianceEpsilon, ftnn.LayerNorm):
         return FT.layer_norm(x.to(dtype), self.normalized_shape, w.to(dtype), None, self.eps).to(x.dtype)
 
 
-class UnsizedRMSNorm(_VarianceEpsilon, nn.Module):
-    """An RMS norm without parameters over the input's last dimension, whatever its size, in
-    the place of a transformers norm that holds no size (``Inkling2UnweightedRMSNorm``, Gemma
-    3n's unscaled ``Gemma3nRMSNorm``): ``x / sqrt(mean(x²) + eps)`` on fasttrans's kernels, the
-    statistics in fp32, the output in the input's dtype, as those modules return it."""
+class _UnsizedNorm(_VarianceEpsilon, nn.Module):
+    """A norm without parameters over the input's last dimension, whatever its size: only an eps."""
 
     def __init__(self, eps: float = 1e-6):
         super().__init__()
         self.eps = float(eps)
 
-    @pinnable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FT.rms_norm(x, x.shape[-1:], None, self.eps)
-
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
 
 
-class UnsizedLayerNorm(UnsizedRMSNorm):
+class UnsizedRMSNorm(_UnsizedNorm):
+    """An RMS norm without parameters over the input's last dimension, whatever its size, in
+    the place of a transformers norm that holds no size (``Inkling2UnweightedRMSNorm``, Gemma
+    3n's unscaled ``Gemma3nRMSNorm``): ``x / sqrt(mean(x²) + eps)`` on fasttrans's kernels, the
+    statistics in fp32, the output in the input's dtype, as those modules return it."""
+
+    @pinnable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FT.rms_norm(x, x.shape[-1:], None, self.eps)
+
+
+class UnsizedLayerNorm(_UnsizedNorm):
     """A layer norm without parameters over the input's last dimension, whatever its size:
     ``(x - mean) / sqrt(var + eps)``, as :class:`UnsizedRMSNorm` is an RMS norm."""
 
@@ -652,7 +656,7 @@ def _replace_norms(model: nn.Module) -> list[tuple[str, str]]:
                         size = tuple(child.weight.shape) if kind is HeadLayerNorm else child.weight.shape[0]
                         new = kind(size, eps=eps, device="meta", dtype=child.weight.dtype)
                         new.register_parameter("weight", child.weight)  # the same Parameter object
-                    elif kind in (UnsizedRMSNorm, UnsizedLayerNorm):
+                    elif issubclass(kind, _UnsizedNorm):
                         new = kind(eps=eps)
                     else:
                         new = kind(_norm_eps(child)[1][0], eps=eps, elementwise_affine=False)
